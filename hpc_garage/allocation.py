@@ -1,0 +1,150 @@
+"""What a job was granted: hosts, and per host the cores, memory and GPU ids the job itself sees.
+
+An Allocation comes from one of three places: a request (flags plus site defaults, checked against the
+site's limits before anything is submitted), a SLURM job's environment, or a PBS job's environment. The
+environment readers live in `hpc_garage.schedulers.<name>`; this module holds the shape and the request path.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from hpc_garage.errors import AllocationError
+from hpc_garage.units import format_bytes, format_walltime
+
+if TYPE_CHECKING:
+    from hpc_garage.site import Site
+
+
+@dataclass(frozen=True)
+class NodeAllocation:
+    """One node's share of the job. `gpus` are device ids as the job sees them (`0`, `GPU-…`, `MIG-…`)."""
+
+    cores: int
+    memory: int
+    gpus: tuple[str, ...] = ()
+    host: str | None = None  # unknown for a request not yet submitted
+
+
+@dataclass(frozen=True)
+class Allocation:
+    nodes: tuple[NodeAllocation, ...]
+    source: str = "request"  # request | slurm | pbs | local
+    job_id: str | None = None
+    walltime: int | None = None  # seconds granted
+    end_time: float | None = None  # epoch seconds, when the batch system will end the job
+    notes: tuple[str, ...] = field(default=())  # assumptions made, said out loud
+
+    def __post_init__(self) -> None:
+        if not self.nodes:
+            raise AllocationError("an allocation needs at least one node")
+
+    @property
+    def hosts(self) -> list[str | None]:
+        return [n.host for n in self.nodes]
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["nodes"] = [asdict(n) | {"gpus": list(n.gpus)} for n in self.nodes]
+        data["notes"] = list(self.notes)
+        return data
+
+    @classmethod
+    def from_request(
+        cls,
+        site: Site,
+        *,
+        nodes: int | None = None,
+        gpus_per_node: int | None = None,
+        cores_per_node: int | None = None,
+        memory: int | None = None,
+        walltime: int | None = None,
+    ) -> Allocation:
+        """The allocation a request would get, refused here (with the reason) if the site cannot grant it."""
+        request = _Request(
+            nodes=1 if nodes is None else nodes,
+            gpus=site.node.gpus if gpus_per_node is None else gpus_per_node,
+            cores=site.node.cores if cores_per_node is None else cores_per_node,
+            memory=site.node.memory if memory is None else memory,
+            walltime=site.walltime if walltime is None else walltime,
+        )
+        check_request(site, request)
+        node = NodeAllocation(
+            cores=request.cores, memory=request.memory, gpus=tuple(str(i) for i in range(request.gpus))
+        )
+        return cls(nodes=(node,) * request.nodes, source="request", walltime=request.walltime)
+
+    @classmethod
+    def from_env(cls, site: Site, env: Mapping[str, str] | None = None) -> Allocation:
+        """The allocation of the job this process runs in (SLURM or PBS), read from its environment."""
+        from hpc_garage.schedulers import detect
+
+        env = os.environ if env is None else env
+        batch = detect(env, prefer=site.scheduler)
+        if batch is None:
+            raise AllocationError(
+                "not inside a batch job: neither SLURM_JOB_ID nor PBS_JOBID is set; "
+                "run under sbatch/salloc/qsub, or pass request flags such as --nodes"
+            )
+        return batch.allocation_from_env(env, site)
+
+    def describe(self) -> str:
+        where = f"{self.source} job {self.job_id}" if self.job_id else f"{self.source}"
+        time = f", walltime {format_walltime(self.walltime)}" if self.walltime else ""
+        return f"{where}: {len(self.nodes)} node(s){time}"
+
+    def describe_node(self, index: int) -> str:
+        node = self.nodes[index]
+        host = f" ({node.host})" if node.host else ""
+        gpus = f"{len(node.gpus)} GPUs, " if node.gpus else ""
+        return f"node {index}{host}: {gpus}{node.cores} cores, {format_bytes(node.memory)}"
+
+
+def in_batch_job(env: Mapping[str, str] | None = None) -> bool:
+    env = os.environ if env is None else env
+    return "SLURM_JOB_ID" in env or "PBS_JOBID" in env
+
+
+@dataclass(frozen=True)
+class _Request:
+    nodes: int
+    gpus: int
+    cores: int
+    memory: int
+    walltime: int
+
+
+def check_request(site: Site, r: _Request) -> None:
+    """Refuse what the site cannot grant, naming the flag to change."""
+    name, node, limits = site.name, site.node, site.limits
+    if r.nodes < 1:
+        raise AllocationError(f"--nodes {r.nodes}: ask for at least 1 node")
+    if limits.max_nodes is not None and r.nodes > limits.max_nodes:
+        raise AllocationError(
+            f"--nodes {r.nodes}: site {name} allows at most {limits.max_nodes} nodes (limits.max_nodes); ask for fewer"
+        )
+    if r.gpus < 0 or r.gpus > node.gpus:
+        raise AllocationError(
+            f"--gpus-per-node {r.gpus}: a {name} node has {node.gpus} GPUs; ask for 0 to {node.gpus}"
+        )
+    if limits.max_gpus_per_node is not None and r.gpus > limits.max_gpus_per_node:
+        raise AllocationError(
+            f"--gpus-per-node {r.gpus}: site {name} allows at most {limits.max_gpus_per_node} "
+            "(limits.max_gpus_per_node); ask for fewer"
+        )
+    if r.cores < 1 or r.cores > node.cores:
+        raise AllocationError(
+            f"--cores-per-node {r.cores}: a {name} node has {node.cores} cores; ask for 1 to {node.cores}"
+        )
+    if r.memory <= 0 or r.memory > node.memory:
+        raise AllocationError(
+            f"--mem {format_bytes(r.memory)}: a {name} node has {format_bytes(node.memory)}; ask for at most that"
+        )
+    if limits.max_walltime is not None and r.walltime > limits.max_walltime:
+        raise AllocationError(
+            f"--time {format_walltime(r.walltime)}: site {name} allows at most "
+            f"{format_walltime(limits.max_walltime)} (limits.max_walltime); ask for less"
+        )

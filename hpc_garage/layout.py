@@ -1,0 +1,197 @@
+"""The heart of hpc-garage: (site, allocation) → the Dask worker processes to start. Pure: no I/O.
+
+Dask applies `--resources` per worker *process*, so each process must advertise exactly its own share:
+one GPU per process where the site says `per: gpu`, and the CPU and memory that go with it. Getting this
+wrong by hand is easy (`--nworkers 4 --resources GPU=1` over four GPUs lets every process see all four);
+here it is computed once, checked, and every leftover core or byte is reported rather than lost silently.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from hpc_garage.allocation import Allocation, NodeAllocation
+from hpc_garage.errors import LayoutError
+from hpc_garage.site import Site
+from hpc_garage.units import format_bytes
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """One Dask worker process and everything it must be started with."""
+
+    name: str
+    node: int  # index into the allocation's nodes
+    host: str | None
+    local_rank: int  # position among the workers of its node
+    nthreads: int
+    memory_limit: int  # bytes
+    resources: dict[str, float]
+    gpu_slots: tuple[int, ...] = ()  # indices into the node's GPU list (re-read on the node itself)
+    env: dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["gpu_slots"] = list(self.gpu_slots)
+        return data
+
+    @property
+    def resources_arg(self) -> str:
+        """The `--resources` value: `GPU=1,CPU=8,MEMORY=64000000000,PROCESS=1`."""
+        return ",".join(f"{k}={_number(v)}" for k, v in self.resources.items())
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The workers, and what of each node no worker got (cores, memory, GPUs that did not divide evenly)."""
+
+    site: Site
+    allocation: Allocation
+    workers: list[WorkerSpec]
+    leftovers: list[str]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "site": self.site.model_dump(mode="json") | {"path": str(self.site.path) if self.site.path else None},
+            "allocation": self.allocation.to_dict(),
+            "workers": [w.to_dict() for w in self.workers],
+            "leftovers": self.leftovers,
+        }
+
+
+def layout(site: Site, allocation: Allocation) -> list[WorkerSpec]:
+    """The worker processes to start for this site and allocation."""
+    return plan(site, allocation).workers
+
+
+def plan(site: Site, allocation: Allocation) -> Plan:
+    workers: list[WorkerSpec] = []
+    leftovers: list[str] = []
+    for index, node in enumerate(allocation.nodes):
+        node_workers, node_leftovers = _layout_node(site, index, node, allocation.job_id)
+        workers += node_workers
+        leftovers += node_leftovers
+    return Plan(site=site, allocation=allocation, workers=workers, leftovers=leftovers)
+
+
+def _layout_node(site: Site, index: int, node: NodeAllocation, job_id: str | None) -> tuple[list[WorkerSpec], list[str]]:
+    per, gpus = site.workers.per, len(node.gpus)
+    if per == "gpu":
+        if gpus == 0:
+            raise LayoutError(
+                f"site {site.name} puts one worker per GPU but node {index} of the allocation has no GPUs; "
+                "request GPUs (--gpus-per-node, --gres=gpu:N) or use a site with workers.per: node"
+            )
+        count = gpus
+    elif per == "node":
+        count = 1
+    else:
+        count = site.workers.processes
+    usable_memory = node.memory - site.workers.reserve_memory
+    if usable_memory <= 0:
+        raise LayoutError(
+            f"node {index} has {format_bytes(node.memory)} but site {site.name} reserves "
+            f"{format_bytes(site.workers.reserve_memory)} (workers.reserve_memory); ask for more memory (--mem)"
+        )
+    if count > node.cores:
+        raise LayoutError(
+            f"node {index} has {node.cores} cores, fewer than the {count} workers site {site.name} puts there; "
+            "ask for more cores (--cores-per-node, -c) or fewer workers"
+        )
+    cores_each, memory_each, gpus_each = node.cores // count, usable_memory // count, gpus // count
+    threads = site.workers.threads or cores_each
+    if threads > cores_each:
+        raise LayoutError(
+            f"site {site.name} gives each worker {threads} threads (workers.threads) but node {index} has only "
+            f"{cores_each} cores per worker; lower workers.threads or ask for more cores"
+        )
+    leftovers = []
+    here = f"node {index}" + (f" ({node.host})" if node.host else "")
+    if spare := node.cores - cores_each * count:
+        leftovers.append(f"{here}: {spare} of {node.cores} cores unused ({count} workers × {cores_each})")
+    if spare_gpus := gpus - gpus_each * count:
+        leftovers.append(f"{here}: {spare_gpus} of {gpus} GPUs unused ({count} workers × {gpus_each})")
+    if (spare_mem := usable_memory - memory_each * count) >= 2**20:
+        leftovers.append(f"{here}: {format_bytes(spare_mem)} of memory unused after an even split")
+
+    workers = []
+    for k in range(count):
+        slots = tuple(range(k * gpus_each, (k + 1) * gpus_each))
+        ids = [node.gpus[s] for s in slots]
+        resources: dict[str, float] = {}
+        if ids:
+            resources["GPU"] = len(ids)
+        resources |= {"CPU": cores_each, "MEMORY": memory_each, "PROCESS": 1}
+        env = {"OMP_NUM_THREADS": str(cores_each)}
+        if gpus:  # a GPU node: pin, and hide every GPU from a worker that got none
+            env |= {var: ",".join(ids) for var in site.gpu_env_vars}
+        prefix = f"{job_id}-" if job_id else ""
+        name = f"{prefix}n{index}-gpu{slots[0]}" if per == "gpu" else f"{prefix}n{index}-w{k}"
+        workers.append(
+            WorkerSpec(
+                name=name,
+                node=index,
+                host=node.host,
+                local_rank=k,
+                nthreads=threads,
+                memory_limit=memory_each,
+                resources=resources,
+                gpu_slots=slots,
+                env=env,
+            )
+        )
+    return workers, leftovers
+
+
+def pin_gpus(spec: WorkerSpec, node_gpus: list[str] | tuple[str, ...], env_vars: tuple[str, ...]) -> dict[str, str]:
+    """The GPU variables for a worker, from the GPU ids its own node shows (read on that node, at start-up).
+
+    On a multi-node job the batch script sees only its own node's ids; each worker maps its slots onto the
+    ids of the node it runs on. Fewer GPUs there than slots is an error, not a silent share.
+    """
+    if not spec.gpu_slots and not node_gpus:
+        return {}
+    if spec.gpu_slots and max(spec.gpu_slots) >= len(node_gpus):
+        raise LayoutError(
+            f"worker {spec.name} needs GPU slot {max(spec.gpu_slots)} but its node shows only "
+            f"{len(node_gpus)} GPUs ({','.join(node_gpus) or 'none'}); request the same GPUs on every node"
+        )
+    ids = ",".join(node_gpus[s] for s in spec.gpu_slots)
+    return {var: ids for var in env_vars}
+
+
+def describe(plan_: Plan) -> list[str]:
+    """The resource math as a person reads it, one line per node shape."""
+    lines = [f"site {plan_.site.name} ({plan_.site.scheduler}, {plan_.site.launcher} launcher)", plan_.allocation.describe()]
+    for index in range(len(plan_.allocation.nodes)):
+        ws = [w for w in plan_.workers if w.node == index]
+        w = ws[0]
+        res = ", ".join(
+            f"{k}={format_bytes(v)}" if k == "MEMORY" else f"{k}={_number(v)}" for k, v in w.resources.items()
+        )
+        devices = [w.env.get("CUDA_VISIBLE_DEVICES", "") for w in ws]
+        pinned = f", CUDA_VISIBLE_DEVICES {_span(devices)}" if any(devices) else ""
+        lines.append(
+            f"{plan_.allocation.describe_node(index)} → {len(ws)} workers × {{{res}}}, "
+            f"threads {w.nthreads}, OMP_NUM_THREADS {w.env['OMP_NUM_THREADS']}{pinned}"
+        )
+    lines += [f"note: {n}" for n in plan_.allocation.notes]
+    lines += [f"unused: {x}" for x in plan_.leftovers]
+    total_gpu = sum(w.resources.get("GPU", 0) for w in plan_.workers)
+    lines.append(f"total: {len(plan_.workers)} workers, {_number(total_gpu)} GPUs, "
+                 f"{sum(w.resources['CPU'] for w in plan_.workers)} CPUs")
+    return lines
+
+
+def _span(ids: list[str]) -> str:
+    """`0..3` for consecutive integers, else the list; each entry is one worker's devices."""
+    if all(i.isdigit() for i in ids) and len(ids) > 2:
+        nums = [int(i) for i in ids]
+        if nums == list(range(nums[0], nums[0] + len(nums))):
+            return f"{nums[0]}..{nums[-1]}"
+    return " ".join(ids)
+
+
+def _number(v: float) -> str:
+    return str(int(v)) if float(v).is_integer() else str(v)

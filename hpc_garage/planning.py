@@ -1,0 +1,31 @@
+"""Glue between the CLI and the pure core: pick the allocation source, then lay it out."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from hpc_garage.allocation import Allocation, in_batch_job
+from hpc_garage.layout import Plan, plan
+from hpc_garage.site import Site, load_site
+
+
+def allocation_for(site: Site, env: Mapping[str, str] | None = None, **request: int | None) -> Allocation:
+    """The job's own allocation when inside one and nothing was requested; otherwise the request."""
+    env = os.environ if env is None else env
+    asked = {k: v for k, v in request.items() if v is not None}
+    if not asked and site.scheduler != "local" and in_batch_job(env):
+        return Allocation.from_env(site, env)
+    return Allocation.from_request(
+        site,
+        nodes=asked.get("nodes"),
+        gpus_per_node=asked.get("gpus_per_node"),
+        cores_per_node=asked.get("cores_per_node"),
+        memory=asked.get("mem"),
+        walltime=asked.get("walltime"),
+    )
+
+
+def plan_for(site_name: str, env: Mapping[str, str] | None = None, **request: int | None) -> Plan:
+    site = load_site(site_name)
+    return plan(site, allocation_for(site, env, **request))

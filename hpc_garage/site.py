@@ -1,0 +1,254 @@
+"""Site configs: what one partition's nodes have and how hpc-garage lays workers out on them.
+
+A site is a YAML file validated by pydantic. Every mistake becomes one line that names the file, the key,
+the bad value and the fix, because a site file is usually written once, by hand, from the README.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+
+from hpc_garage.errors import SiteError
+from hpc_garage.units import parse_memory, parse_walltime
+
+SITES_PATH_ENV = "HPC_GARAGE_SITES_PATH"
+
+
+def _memory(value: Any) -> int:
+    return parse_memory(value, bare=None)
+
+
+def _walltime(value: Any) -> int:
+    return parse_walltime(value)
+
+
+def _cores(value: Any) -> Any:
+    return os.cpu_count() or 1 if value == "auto" else value
+
+
+def _node_memory(value: Any) -> int:
+    if value == "auto":
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return _memory(value)
+
+
+Bytes = Annotated[int, BeforeValidator(_memory), Field(ge=0)]
+Seconds = Annotated[int, BeforeValidator(_walltime), Field(gt=0)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class NodeShape(_Strict):
+    """What one node of the partition has. `auto` (cores, memory) means this machine: for `local` sites."""
+
+    cores: Annotated[int, BeforeValidator(_cores), Field(gt=0)]
+    memory: Annotated[int, BeforeValidator(_node_memory), Field(gt=0)]
+    gpus: int = Field(0, ge=0)
+    gpu_type: str | None = None
+    gpu_vendor: Literal["nvidia", "amd"] = "nvidia"
+
+
+class WorkerLayout(_Strict):
+    """How a node's cores, memory and GPUs are cut into Dask worker processes."""
+
+    per: Literal["gpu", "node", "process"] = "node"
+    processes: int = Field(1, gt=0)  # workers per node, for per: process
+    threads: int | None = Field(None, gt=0)  # Dask threads per worker; default: its CPU share
+    reserve_memory: Bytes = 0  # per node, left to the OS, the scheduler and the batch system
+
+
+class Limits(_Strict):
+    """What the centre allows; checked before anything is submitted."""
+
+    max_nodes: int | None = Field(None, gt=0)
+    max_walltime: Seconds | None = None
+    max_gpus_per_node: int | None = Field(None, ge=0)
+
+
+class MpiSettings(_Strict):
+    """How the mpi launcher starts its ranks inside an allocation.
+
+    `srun` is the SLURM way; `mpiexec` runs over the job's node list (PBS, or SLURM without PMI support).
+    `flavor` says whose mpiexec it is, because OpenMPI and MPICH/Hydra spell "ranks per node" differently.
+    """
+
+    launch: Literal["auto", "srun", "mpiexec"] = "auto"
+    srun_args: list[str] = Field(default_factory=lambda: ["--mpi=pmix"])
+    mpiexec: str = "mpiexec"
+    flavor: Literal["openmpi", "mpich"] = "openmpi"
+    mpiexec_args: list[str] = Field(default_factory=list)
+
+
+class Site(_Strict):
+    """One partition of one cluster, as hpc-garage sees it."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    description: str = ""
+    scheduler: Literal["slurm", "pbs", "local"]
+    launcher: Literal["mpi", "jobqueue"] = "mpi"
+    queue: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    walltime: Seconds = 3600
+    node: NodeShape
+    workers: WorkerLayout = WorkerLayout()
+    limits: Limits = Limits()
+    interface: str | None = None
+    local_directory: str | None = None
+    run_directory: str = "~/.hpc-garage/runs"
+    setup: list[str] = Field(default_factory=list)
+    directives: list[str] = Field(default_factory=list)
+    python: str = "python3"
+    mpi: MpiSettings = MpiSettings()
+    path: Path | None = Field(None, exclude=True)  # where the file was found; not a YAML key
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Site:
+        if self.workers.per == "gpu" and self.node.gpus == 0:
+            raise ValueError("workers.per is 'gpu' but node.gpus is 0; set node.gpus or use per: node")
+        if self.workers.reserve_memory >= self.node.memory:
+            raise ValueError("workers.reserve_memory is not smaller than node.memory; lower it")
+        if self.limits.max_gpus_per_node is not None and self.limits.max_gpus_per_node > self.node.gpus:
+            raise ValueError(
+                f"limits.max_gpus_per_node ({self.limits.max_gpus_per_node}) exceeds node.gpus ({self.node.gpus})"
+            )
+        if self.limits.max_walltime is not None and self.walltime > self.limits.max_walltime:
+            raise ValueError("walltime exceeds limits.max_walltime; shorten walltime")
+        return self
+
+    @property
+    def gpu_env_vars(self) -> tuple[str, ...]:
+        """Variables that pin a process to its GPUs on this site's hardware."""
+        return ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES") if self.node.gpu_vendor == "amd" else (
+            "CUDA_VISIBLE_DEVICES",
+        )
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+
+def search_path(env: dict[str, str] | None = None) -> list[Path]:
+    """Where site files are looked for, first match wins."""
+    env = os.environ if env is None else env
+    dirs = [Path(p).expanduser() for p in env.get(SITES_PATH_ENV, "").split(":") if p]
+    dirs += [Path.cwd() / "site-configs", Path("~/.config/hpc-garage/sites").expanduser(), packaged_dir("site-configs")]
+    return dirs
+
+
+def packaged_dir(name: str) -> Path:
+    """A data folder shipped with hpc-garage: inside the wheel, or beside the package in a source checkout."""
+    inside = Path(__file__).parent / "_data" / name
+    return inside if inside.is_dir() else Path(__file__).parent.parent / name
+
+
+def find_sites() -> dict[str, Path]:
+    """Every visible site name and the file that wins for it."""
+    found: dict[str, Path] = {}
+    for directory in search_path():
+        for file in sorted(directory.glob("*.y*ml")) if directory.is_dir() else []:
+            if file.suffix in (".yaml", ".yml"):
+                found.setdefault(file.stem, file)
+    return found
+
+
+def load_site(name_or_path: str | Path) -> Site:
+    """The site called NAME on the search path, or the site in the file at PATH."""
+    candidate = Path(name_or_path)
+    if candidate.suffix in (".yaml", ".yml") or os.sep in str(name_or_path):
+        if not candidate.is_file():
+            raise SiteError(f"site file {str(candidate)!r} does not exist; check the path")
+        return parse_site_file(candidate)
+    sites = find_sites()
+    if str(name_or_path) not in sites:
+        close = difflib.get_close_matches(str(name_or_path), list(sites), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise SiteError(
+            f"unknown site {str(name_or_path)!r}; {hint}`hpc-garage sites` lists the {len(sites)} known sites "
+            f"(searched ${SITES_PATH_ENV}, ./site-configs, ~/.config/hpc-garage/sites and the packaged sites)"
+        )
+    return parse_site_file(sites[str(name_or_path)])
+
+
+class _SiteLoader(yaml.SafeLoader):
+    """SafeLoader without YAML 1.1's base-60 integers, so `walltime: 01:00:00` stays a string."""
+
+
+_SiteLoader.yaml_implicit_resolvers = {
+    key: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:int"]
+    for key, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_SiteLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:int", re.compile(r"^[-+]?(0|[1-9][0-9_]*)$"), list("-+0123456789")
+)
+
+
+def parse_site_file(path: Path) -> Site:
+    try:
+        data = yaml.load(path.read_text(), Loader=_SiteLoader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise SiteError(f"{path}: not valid YAML{where}: {getattr(exc, 'problem', exc)}; fix the syntax") from None
+    except OSError as exc:
+        raise SiteError(f"{path}: cannot read: {exc.strerror}") from None
+    if not isinstance(data, dict):
+        raise SiteError(f"{path}: expected a mapping of keys (scheduler:, node:, ...), got {type(data).__name__}")
+    data.setdefault("name", path.stem)
+    try:
+        return Site.model_validate({**data, "path": path})
+    except ValidationError as exc:
+        raise SiteError(f"{path}: {describe_validation_error(exc, Site)}") from None
+
+
+def parse_site_dict(data: dict[str, Any], origin: str = "<site>") -> Site:
+    """Validate a site given as a mapping (tests, and sites built in code)."""
+    try:
+        return Site.model_validate(data)
+    except ValidationError as exc:
+        raise SiteError(f"{origin}: {describe_validation_error(exc, Site)}") from None
+
+
+# --------------------------------------------------------------------------------------------- messages
+
+
+def describe_validation_error(exc: ValidationError, model: type[BaseModel]) -> str:
+    """pydantic's errors as one line: `node.gpus: -1 is not allowed: must be >= 0`; unknown keys get did-you-mean."""
+    parts = []
+    for err in exc.errors(include_url=False):
+        loc = [str(x) for x in err["loc"] if x != "path"]
+        key = ".".join(loc) or "(top level)"
+        kind, value = err["type"], err.get("input")
+        if kind == "extra_forbidden":
+            known = _fields_at(model, loc[:-1])
+            close = difflib.get_close_matches(loc[-1], known, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"known keys here: {', '.join(known)}"
+            parts.append(f"unknown key {key!r}; {hint}")
+        elif kind == "missing":
+            parts.append(f"missing key {key!r}; add it")
+        elif kind == "literal_error":
+            allowed = err.get("ctx", {}).get("expected", "")
+            parts.append(f"{key}: {value!r} is not allowed; use one of {allowed}")
+        else:
+            message = err["msg"].removeprefix("Value error, ")
+            shown = "" if kind == "value_error" and loc == [] else f"{value!r}: " if not isinstance(value, dict) else ""
+            parts.append(f"{key}: {shown}{message}" if loc else message)
+    return "; ".join(parts)
+
+
+def _fields_at(model: type[BaseModel], loc: list[str]) -> list[str]:
+    for name in loc:
+        field = model.model_fields.get(name)
+        annotation = getattr(field, "annotation", None)
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        model = annotation
+    return [n for n in model.model_fields if n != "path"]

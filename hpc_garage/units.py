@@ -1,0 +1,87 @@
+"""Memory sizes and walltimes as HPC users write them.
+
+Scheduler conventions win where they differ from Dask's: a bare number of memory is MiB (`sbatch --mem=4000`),
+a one-letter suffix is binary (`--mem=64G` is 64 GiB in Slurm and PBS alike), and a bare walltime number is
+minutes (`sbatch -t 90`). Everything else (`64GB`, `60 GiB`, `2h`, `90min`) goes to dask.utils.
+"""
+
+from __future__ import annotations
+
+import re
+
+_SLURM_SUFFIX = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP])\s*$", re.IGNORECASE)
+_PBS_SUFFIX = re.compile(r"^\s*(\d+)\s*([kmgtp])?(b|w)\s*$", re.IGNORECASE)
+_BINARY = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40, "p": 2**50}
+_CLOCK = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
+
+
+def parse_memory(value: str | int | float, *, bare: str | None = "MiB") -> int:
+    """Bytes from `64GiB`, `64GB`, `64G` (binary, as sbatch/qsub read it), `2gb` (PBS, binary) or `4000` (MiB).
+
+    `bare=None` refuses a number without a unit (site files, where `memory: 256` is almost surely a slip).
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is not a memory size")
+    text = str(value).strip()
+    if re.fullmatch(r"\d+(\.\d+)?", text):
+        if bare is None:
+            raise ValueError(f"{text!r} has no unit; write e.g. '{text}GiB' or '{text}GB'")
+        return int(float(text) * _BINARY[bare[0].lower()])
+    if m := _SLURM_SUFFIX.match(text):
+        return int(float(m.group(1)) * _BINARY[m.group(2).lower()])
+    if (m := _PBS_SUFFIX.match(text)) and m.group(3).lower() == "b" and m.group(2):
+        return int(m.group(1)) * _BINARY[m.group(2).lower()]  # PBS: 'gb' means GiB
+    from dask.utils import parse_bytes
+
+    try:
+        size = parse_bytes(text)
+    except (ValueError, KeyError, TypeError):
+        raise ValueError(f"{text!r} is not a memory size; write e.g. '64GiB', '64GB' or '64G'") from None
+    return int(size)
+
+
+def parse_walltime(value: str | int | float) -> int:
+    """Seconds from Slurm's forms (`MM`, `MM:SS`, `HH:MM:SS`, `D-HH[:MM[:SS]]`) or durations (`2h`, `90min`)."""
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is not a walltime")
+    text = str(value).strip()
+    if m := _CLOCK.match(text):
+        days, a, b, c = m.groups()
+        parts = [int(x) for x in (a, b, c) if x is not None]
+        if days is not None:  # D-HH, D-HH:MM, D-HH:MM:SS
+            hours, minutes, seconds = (parts + [0, 0])[:3]
+            return int(days) * 86400 + hours * 3600 + minutes * 60 + seconds
+        if len(parts) == 1:
+            return parts[0] * 60  # bare number: minutes, like sbatch -t
+        if len(parts) == 2:
+            return parts[0] * 60 + parts[1]
+        return parts[0] * 3600 + parts[1] * 60 + parts[2]
+    from dask.utils import parse_timedelta
+
+    try:
+        seconds = parse_timedelta(text, default="seconds")
+    except (ValueError, KeyError, TypeError):
+        seconds = None
+    if seconds is None or seconds <= 0:
+        raise ValueError(f"{text!r} is not a walltime; write e.g. '01:30:00', '1-00:00:00' or '90min'")
+    return int(seconds)
+
+
+def format_walltime(seconds: int) -> str:
+    """`HH:MM:SS` (hours may exceed 24), which sbatch, qsub and Dask's --lifetime all accept."""
+    hours, rest = divmod(int(seconds), 3600)
+    return f"{hours:02d}:{rest // 60:02d}:{rest % 60:02d}"
+
+
+def format_bytes(n: int | float) -> str:
+    """`60 GiB`, `1.5 GiB`, `512 MiB`: binary, as people read node memory."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            value = n / size
+            return f"{value:.0f} {unit}" if abs(value - round(value)) < 0.05 else f"{value:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def mib(n: int) -> int:
+    """Whole MiB, rounded down: the unit sbatch --mem and PBS mem=…mb take."""
+    return int(n) // 2**20
