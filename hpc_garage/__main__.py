@@ -1,0 +1,3 @@
+from hpc_garage.cli import main
+
+main()

@@ -1,0 +1,178 @@
+"""The run directory and the scheduler-file handoff between `hpc-garage run` and the user's flow.
+
+Per job, `<run_directory>/<job id>/` (0700) holds:
+  scheduler.json   Dask's scheduler-file format (`Client(scheduler_file=…)` reads its `address`) plus an
+                   `hpc_garage` section: job id, TLS file paths, the Prefect API, the workers started. It is
+                   written last, once every worker has registered, so its presence means "ready". 0600.
+  tls/             per-job key and certificate (Security.temporary), 0600: without them a client is refused.
+  dask-scheduler.json  what the Dask scheduler itself writes; internal.
+The flow finds the file through $HPC_GARAGE_SCHEDULER_FILE, which `run` exports to COMMAND.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hpc_garage.errors import UserError
+
+if TYPE_CHECKING:
+    from distributed.security import Security
+
+SCHEDULER_FILE_ENV = "HPC_GARAGE_SCHEDULER_FILE"
+JOB_ID_ENV = "HPC_GARAGE_JOB_ID"
+RUN_DIR_ENV = "HPC_GARAGE_RUN_DIR"
+HANDOFF_FILES = ("scheduler.json", "dask-scheduler.json", "tls", "workers")
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write a file readable by its owner only, atomically: no reader ever sees half of it."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+@dataclass(frozen=True)
+class RunDir:
+    path: Path
+
+    @classmethod
+    def for_job(cls, root: str | Path, job_id: str) -> RunDir:
+        return cls(Path(os.path.expandvars(str(root))).expanduser() / job_id)
+
+    def create(self) -> RunDir:
+        """Make the directory private, and clear what an earlier job with the same id left behind."""
+        import shutil
+
+        self.path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(self.path, 0o700)
+        for name in HANDOFF_FILES:
+            stale = self.path / name
+            if stale.is_dir():
+                shutil.rmtree(stale)
+            elif stale.exists():
+                stale.unlink()
+        return self
+
+    @property
+    def scheduler_file(self) -> Path:
+        return self.path / "scheduler.json"
+
+    @property
+    def dask_scheduler_file(self) -> Path:
+        return self.path / "dask-scheduler.json"
+
+    def write_credentials(self) -> dict[str, str]:
+        """Fresh TLS credentials for this job only; returns the file paths as Security keyword arguments."""
+        from distributed.security import Security
+
+        temporary = Security.temporary()
+        tls = self.path / "tls"
+        tls.mkdir(mode=0o700, exist_ok=True)
+        write_private(tls / "cert.pem", temporary.tls_ca_file)
+        write_private(tls / "key.pem", temporary.tls_client_key)
+        cert, key = str(tls / "cert.pem"), str(tls / "key.pem")
+        return {
+            "tls_ca_file": cert,
+            "tls_client_cert": cert,
+            "tls_client_key": key,
+            "tls_scheduler_cert": cert,
+            "tls_scheduler_key": key,
+            "tls_worker_cert": cert,
+            "tls_worker_key": key,
+        }
+
+    def publish(self, handoff: Handoff) -> Path:
+        """Write scheduler.json: the cluster is ready."""
+        write_private(self.scheduler_file, json.dumps(handoff.to_json(), indent=2))
+        return self.scheduler_file
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """What a client needs to use the cluster a job started."""
+
+    address: str
+    job_id: str
+    tls: dict[str, str] | None = None  # Security keyword arguments (file paths); None for --insecure
+    prefect_api_url: str | None = None
+    workers: list[str] = field(default_factory=list)
+    site: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        # top-level keys are Dask's scheduler-file format; ours live under "hpc_garage"
+        return {
+            "type": "Scheduler",
+            "address": self.address,
+            "hpc_garage": {
+                "job_id": self.job_id,
+                "tls": self.tls,
+                "prefect_api_url": self.prefect_api_url,
+                "workers": self.workers,
+                "site": self.site,
+                "created": time.time(),
+                **self.extra,
+            },
+        }
+
+    def security(self) -> Security | None:
+        if self.tls is None:
+            return None
+        from distributed.security import Security
+
+        return Security(require_encryption=True, **self.tls)
+
+    @classmethod
+    def read(cls, path: str | Path, *, expect_job: str | None = None, timeout: float = 0) -> Handoff:
+        """Read a scheduler file, waiting up to `timeout` s for it; refuse one from another job."""
+        path = Path(path).expanduser()
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                data = json.loads(path.read_text())
+                break
+            except FileNotFoundError:
+                if time.monotonic() >= deadline:
+                    waited = f" after waiting {timeout:.0f} s" if timeout else ""
+                    raise UserError(
+                        f"scheduler file {path} does not exist{waited}; is `hpc-garage run` up for this job? "
+                        f"(unset {SCHEDULER_FILE_ENV} to use a local cluster)"
+                    ) from None
+            except json.JSONDecodeError:
+                if time.monotonic() >= deadline:
+                    raise UserError(f"scheduler file {path} is not valid JSON; delete it and rerun the job") from None
+            time.sleep(0.2)
+        ours = data.get("hpc_garage")
+        if not isinstance(ours, dict) or "address" not in data:
+            raise UserError(f"{path} is not an hpc-garage scheduler file (no 'hpc_garage' section); point "
+                            f"{SCHEDULER_FILE_ENV} at the scheduler.json that `hpc-garage run` wrote")
+        if expect_job and str(ours.get("job_id")) != str(expect_job):
+            raise UserError(
+                f"scheduler file {path} belongs to job {ours.get('job_id')}, not this job {expect_job}; "
+                "it is left over from an earlier job: rerun, or point at this job's run directory"
+            )
+        return cls(
+            address=data["address"],
+            job_id=str(ours.get("job_id")),
+            tls=ours.get("tls"),
+            prefect_api_url=ours.get("prefect_api_url"),
+            workers=list(ours.get("workers") or []),
+            site=ours.get("site"),
+        )
+
+
+def handoff_from_env(env: Mapping[str, str] | None = None, timeout: float = 60) -> Handoff | None:
+    """The cluster this process was handed through $HPC_GARAGE_SCHEDULER_FILE, or None when it is unset."""
+    env = os.environ if env is None else env
+    path = env.get(SCHEDULER_FILE_ENV)
+    if not path:
+        return None
+    return Handoff.read(path, expect_job=env.get(JOB_ID_ENV), timeout=timeout)
