@@ -119,6 +119,26 @@ def show(site_name: str, as_json: bool, **request: Any) -> None:
     click.echo("\n".join(describe(plan_)))
 
 
+@cli.command(context_settings={"ignore_unknown_options": True})
+@click.option("--site", "site_name", help="Site name or file (default: $HPC_GARAGE_SITE, else local).")
+@click.option("--insecure", is_flag=True, help="Plain tcp instead of TLS with per-job certificates.")
+@click.option("--timeout", default=180.0, show_default=True, help="Seconds to wait for every worker to register.")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+def run(site_name: str | None, insecure: bool, timeout: float, command: tuple[str, ...]) -> None:
+    """Start a Dask cluster for this job, run COMMAND against it, tear it down.
+
+    Inside a SLURM/PBS job the workers are MPI ranks across the allocation; elsewhere a local cluster shaped
+    like one node of the site. COMMAND finds the cluster through $HPC_GARAGE_SCHEDULER_FILE, and this
+    command exits with COMMAND's exit code.
+    """
+    import os
+
+    from hpc_garage.runner import run as run_cluster, site_for_run
+
+    site = site_for_run(site_name, os.environ)
+    sys.exit(run_cluster(site, list(command), insecure=insecure, timeout=timeout))
+
+
 def main(argv: list[str] | None = None) -> None:
     cli.main(args=argv, prog_name="hpc-garage")
 

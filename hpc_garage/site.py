@@ -125,6 +125,13 @@ class Site(_Strict):
             raise ValueError("walltime exceeds limits.max_walltime; shorten walltime")
         return self
 
+    def local_directory_path(self) -> str | None:
+        """`local_directory` expanded here; None (Dask's default) while a variable in it is unset, e.g. $TMPDIR."""
+        if not self.local_directory:
+            return None
+        expanded = os.path.expanduser(os.path.expandvars(self.local_directory))
+        return None if "$" in expanded else expanded
+
     @property
     def gpu_env_vars(self) -> tuple[str, ...]:
         """Variables that pin a process to its GPUs on this site's hardware."""

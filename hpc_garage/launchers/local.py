@@ -1,0 +1,132 @@
+"""The local launcher: a Dask cluster on this machine shaped like one node of a site.
+
+A login-node run must exercise the same scheduling as the real job: the same workers, each advertising the
+same resources (GPU=1, CPU=8, MEMORY=…) and carrying the same environment. Only what the machine cannot
+give is scaled down: threads and memory limits to its cores and memory, and GPUs it lacks are still
+advertised, with CUDA_VISIBLE_DEVICES empty, so tasks tagged GPU=1 are placed as they would be there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from hpc_garage.allocation import Allocation
+from hpc_garage.launchers.common import Launcher, security_from
+from hpc_garage.layout import Plan, WorkerSpec, plan
+from hpc_garage.site import Site, load_site
+
+
+def machine_gpus() -> list[str]:
+    """GPU ids usable here: the inherited CUDA_VISIBLE_DEVICES, else NVIDIA device files."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [x for x in visible.split(",") if x.strip() and x != "NoDevFiles"]
+    return sorted((p.name[6:] for p in Path("/dev").glob("nvidia[0-9]*")), key=int)
+
+
+def machine_shape() -> tuple[int, int]:
+    """Cores this process may use, and physical memory, in bytes."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return cores, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def local_plan(site: Site, cores: int | None = None, memory: int | None = None,
+               gpus: list[str] | None = None) -> tuple[Plan, list[str]]:
+    """One node of the site, fitted to this machine. Returns the plan and what was scaled, in words."""
+    have_cores, have_memory = machine_shape()
+    cores = have_cores if cores is None else cores
+    memory = have_memory if memory is None else memory
+    gpus = machine_gpus() if gpus is None else gpus
+    shaped = plan(site, Allocation.from_request(site, nodes=1))
+    workers = shaped.workers
+    notes = []
+    share_threads = max(1, cores // len(workers))
+    share_memory = max(2**28, int(memory * 0.9) // len(workers))
+    fitted: list[WorkerSpec] = []
+    gpu_workers = [w for w in workers if w.gpu_slots]
+    real = len(gpus) >= sum(len(w.gpu_slots) for w in gpu_workers) and gpu_workers
+    for w in workers:
+        env = dict(w.env) | {"OMP_NUM_THREADS": str(min(int(w.env["OMP_NUM_THREADS"]), share_threads))}
+        if w.gpu_slots or "CUDA_VISIBLE_DEVICES" in env:
+            ids = ",".join(gpus[s] for s in w.gpu_slots) if real else ""
+            env |= {var: ids for var in site.gpu_env_vars}
+        fitted.append(replace(w, nthreads=min(w.nthreads, share_threads),
+                              memory_limit=min(w.memory_limit, share_memory), env=env, host="localhost"))
+    if any(f.nthreads < w.nthreads for f, w in zip(fitted, workers)):
+        notes.append(f"threads scaled to this machine's {cores} cores")
+    if any(f.memory_limit < w.memory_limit for f, w in zip(fitted, workers)):
+        notes.append("memory limits scaled to this machine's memory")
+    if gpu_workers and not real:
+        count = sum(len(w.gpu_slots) for w in gpu_workers)
+        notes.append(f"this machine has {len(gpus)} GPUs: the {count} GPU workers advertise GPU resources "
+                     "but run with CUDA_VISIBLE_DEVICES empty")
+    return replace(shaped, workers=fitted), notes
+
+
+def cluster_specs(workers: list[WorkerSpec], *, security: Any = None, env: dict[str, str] | None = None,
+                  local_directory: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """SpecCluster's `scheduler` and `workers` specs: loopback only, TLS when a Security is given."""
+    from distributed import Nanny, Scheduler
+
+    from hpc_garage.launchers.common import worker_options
+
+    protocol = "tls" if security is not None else "tcp"
+    scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "port": 0, "dashboard_address": ":0",
+                                                "security": security, "protocol": protocol}}
+    extra: dict[str, Any] = {"host": "127.0.0.1", "security": security, "protocol": protocol}
+    if local_directory:
+        extra["local_directory"] = local_directory
+    workers_spec = {w.name: {"cls": Nanny, "options": worker_options(w, env=env, **extra)} for w in workers}
+    return scheduler, workers_spec
+
+
+class LocalLauncher(Launcher):
+    """Workers as Nannies of this process, on loopback: `hpc-garage run` outside a batch job."""
+
+    def __init__(self, plan_: Plan) -> None:
+        self.plan = plan_
+        self.nannies: list[Any] = []
+
+    async def start(self, address: str, tls: dict[str, str] | None, worker_env: dict[str, str],
+                    rundir: Any) -> None:
+        from distributed import Nanny
+
+        _, specs = cluster_specs(self.plan.workers, security=security_from(tls), env=worker_env,
+                                 local_directory=self.plan.site.local_directory_path())
+        self.nannies = [Nanny(address, **spec["options"]) for spec in specs.values()]
+        await asyncio.gather(*(n.start() for n in self.nannies))
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(n.close(timeout=10) for n in self.nannies), return_exceptions=True)
+
+
+def _spec_cluster_class() -> type:
+    from distributed import SpecCluster
+
+    class LocalSiteCluster(SpecCluster):
+        """A SpecCluster whose workers are one node of a site (see the module docstring)."""
+
+        def __init__(self, site: str | Site | None = None, security: Any = None,
+                     env: dict[str, str] | None = None, **kwargs: Any) -> None:
+            if not isinstance(site, Site):
+                site = load_site(site or os.environ.get("HPC_GARAGE_SITE") or "local")
+            self.plan, self.notes = local_plan(site)
+            scheduler, workers = cluster_specs(self.plan.workers, security=security, env=env,
+                                               local_directory=site.local_directory_path())
+            super().__init__(workers=workers, scheduler=scheduler, security=security,
+                             name=f"hpc-garage-{site.name}", **kwargs)
+
+    return LocalSiteCluster
+
+
+def __getattr__(name: str) -> Any:
+    # built on first use so importing this module does not import distributed
+    if name == "LocalSiteCluster":
+        cls = _spec_cluster_class()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(name)

@@ -1,0 +1,166 @@
+"""`hpc-garage run -- COMMAND`: bring a Dask cluster up for this job, hand it to COMMAND, take it down.
+
+Inside a SLURM or PBS job the workers are MPI ranks across the allocation; on a login node they are local
+processes shaped like one node of the site. Either way the scheduler runs here, in this process (so it never
+takes a GPU worker's place), every worker must register before COMMAND starts, COMMAND finds the cluster
+through $HPC_GARAGE_SCHEDULER_FILE, and `run` exits with COMMAND's exit code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from hpc_garage.allocation import Allocation, in_batch_job
+from hpc_garage.errors import UserError
+from hpc_garage.handoff import JOB_ID_ENV, RUN_DIR_ENV, SCHEDULER_FILE_ENV, Handoff, RunDir, write_private
+from hpc_garage.launchers.common import Launcher, security_from
+from hpc_garage.layout import Plan, plan
+from hpc_garage.site import Site
+
+SITE_ENV = "HPC_GARAGE_SITE"
+
+
+def say(message: str) -> None:
+    print(f"hpc-garage: {message}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class RunState:
+    """`state.json` in the run directory: what `submit --wait` and `status` show while the job runs."""
+
+    rundir: RunDir
+    expected: int
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def __call__(self, phase: str, **extra: Any) -> None:
+        self.data |= {"phase": phase, "expected": self.expected, "updated": time.time(), **extra}
+        write_private(self.rundir.path / "state.json", json.dumps(self.data))
+
+
+def run(site: Site, command: list[str], *, insecure: bool = False, timeout: float = 180,
+        env: Mapping[str, str] | None = None) -> int:
+    env = dict(os.environ if env is None else env)
+    env.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")  # workers' start-up chatter hides the flow's output
+    if env["DASK_LOGGING__DISTRIBUTED"] == "warning":
+        logging.getLogger("distributed").setLevel(logging.WARNING)
+    if not command:
+        raise UserError("no COMMAND given; write it after --, e.g. `hpc-garage run -- python sweep.py`")
+    if shutil.which(command[0], path=env.get("PATH")) is None and not os.path.exists(command[0]):
+        raise UserError(f"{command[0]!r}: command not found; check the command after --")
+    if site.scheduler != "local" and in_batch_job(env):
+        allocation = Allocation.from_env(site, env)
+        plan_ = plan(site, allocation)
+        from hpc_garage.launchers.mpi import MpiLauncher
+
+        launcher: Launcher = MpiLauncher(plan_, env)
+        job_id = str(allocation.job_id)
+        notes = list(allocation.notes) + [f"unused: {x}" for x in plan_.leftovers]
+    else:
+        from hpc_garage.launchers.local import LocalLauncher, local_plan
+
+        plan_, notes = local_plan(site)
+        launcher = LocalLauncher(plan_)
+        job_id = f"local-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        notes = [f"no batch job here: a local cluster shaped like one {site.name} node"] + notes
+    for note in notes:
+        say(note)
+    if insecure:
+        say("--insecure: the cluster speaks plain tcp; anyone who can reach its ports can run code in it")
+    rundir = RunDir.for_job(site.run_directory, job_id).create()
+    return asyncio.run(_serve(site, plan_, launcher, rundir, job_id, command, env, insecure, timeout))
+
+
+async def _serve(site: Site, plan_: Plan, launcher: Launcher, rundir: RunDir, job_id: str,
+                 command: list[str], env: dict[str, str], insecure: bool, timeout: float) -> int:
+    from distributed import Scheduler
+
+    expected = [w.name for w in plan_.workers]
+    state = RunState(rundir, len(expected))
+    state("starting", workers=0, job_id=job_id, site=site.name)
+    tls = None if insecure else rundir.write_credentials()
+    security = security_from(tls)
+    api_env = _prefect_api(launcher)
+    worker_env = {**api_env, SITE_ENV: site.name, "DASK_LOGGING__DISTRIBUTED": env["DASK_LOGGING__DISTRIBUTED"]}
+    started = time.monotonic()
+    code: int | None = None
+    async with Scheduler(port=0, dashboard_address=":0", security=security, protocol="tls" if tls else "tcp",
+                         scheduler_file=str(rundir.dask_scheduler_file), **launcher.scheduler_host) as scheduler:
+        try:
+            await launcher.start(scheduler.address, tls, worker_env, rundir)
+            await _wait(scheduler, expected, timeout, launcher, state)
+            say(f"{len(expected)} workers registered in {time.monotonic() - started:.1f} s; "
+                f"scheduler {scheduler.address}")
+            handoff = Handoff(address=scheduler.address, job_id=job_id, tls=tls,
+                              prefect_api_url=api_env.get("PREFECT_API_URL"), workers=expected, site=site.name)
+            path = rundir.publish(handoff)
+            child_env = {**env, **api_env, SCHEDULER_FILE_ENV: str(path), JOB_ID_ENV: job_id,
+                         RUN_DIR_ENV: str(rundir.path), SITE_ENV: site.name}
+            state("running", workers=len(expected))
+            code = await _run_command(command, child_env)
+        finally:
+            for name in ("scheduler.json", "dask-scheduler.json", "tls"):
+                target = rundir.path / name
+                shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
+            await launcher.stop()
+            state("done" if code is not None else "failed", exit_code=code)
+    return code if code is not None else 1
+
+
+async def _wait(scheduler: Any, expected: list[str], timeout: float, launcher: Launcher, state: RunState) -> None:
+    from hpc_garage.launchers.common import wait_for_workers
+
+    await wait_for_workers(
+        lambda: (ws.name for ws in scheduler.workers.values()),
+        expected,
+        timeout,
+        alive=launcher.failure,
+        progress=lambda k, n: state("workers", workers=k),
+    )
+
+
+def _prefect_api(launcher: Launcher) -> dict[str, str]:
+    """One Prefect API for the flow and every worker (else each worker starts its own temporary server)."""
+    try:
+        from hpc_garage.prefect_server import ensure_api
+    except ImportError:
+        return {}
+    host = launcher.scheduler_host.get("host") or "0.0.0.0"
+    return ensure_api(host=host)
+
+
+async def _run_command(command: list[str], env: dict[str, str]) -> int:
+    """Run COMMAND; SIGINT/SIGTERM to `run` go to COMMAND first, so the flow can finish its bookkeeping."""
+    proc = await asyncio.create_subprocess_exec(*command, env=env)
+    loop = asyncio.get_running_loop()
+    forwarded: list[int] = []
+
+    def forward(sig: int) -> None:
+        forwarded.append(sig)
+        if proc.returncode is None:
+            proc.send_signal(sig)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, forward, sig)
+    try:
+        code = await proc.wait()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+    return 128 - code if code < 0 else code  # killed by signal N: 128+N, as shells report it
+
+
+def site_for_run(name: str | None, env: Mapping[str, str]) -> Site:
+    from hpc_garage.site import load_site
+
+    return load_site(name or env.get(SITE_ENV) or "local")
+
