@@ -51,8 +51,7 @@ def run(site: Site, command: list[str], *, insecure: bool = False, timeout: floa
         env: Mapping[str, str] | None = None) -> int:
     env = dict(os.environ if env is None else env)
     env.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")  # workers' start-up chatter hides the flow's output
-    if env["DASK_LOGGING__DISTRIBUTED"] == "warning":
-        logging.getLogger("distributed").setLevel(logging.WARNING)
+    os.environ["DASK_LOGGING__DISTRIBUTED"] = env["DASK_LOGGING__DISTRIBUTED"]  # local workers are our children
     if not command:
         raise UserError("no COMMAND given; write it after --, e.g. `hpc-garage run -- python sweep.py`")
     if shutil.which(command[0], path=env.get("PATH")) is None and not os.path.exists(command[0]):
@@ -84,35 +83,38 @@ async def _serve(site: Site, plan_: Plan, launcher: Launcher, rundir: RunDir, jo
                  command: list[str], env: dict[str, str], insecure: bool, timeout: float) -> int:
     from distributed import Scheduler
 
+    logging.getLogger("distributed").setLevel(env["DASK_LOGGING__DISTRIBUTED"].upper())
     expected = [w.name for w in plan_.workers]
     state = RunState(rundir, len(expected))
     state("starting", workers=0, job_id=job_id, site=site.name)
     tls = None if insecure else rundir.write_credentials()
-    security = security_from(tls)
-    api_env = _prefect_api(launcher)
-    worker_env = {**api_env, SITE_ENV: site.name, "DASK_LOGGING__DISTRIBUTED": env["DASK_LOGGING__DISTRIBUTED"]}
     started = time.monotonic()
+    scheduler = Scheduler(port=0, dashboard_address=":0", security=security_from(tls),
+                          protocol="tls" if tls else "tcp", scheduler_file=str(rundir.dask_scheduler_file),
+                          **launcher.scheduler_host)
     code: int | None = None
-    async with Scheduler(port=0, dashboard_address=":0", security=security, protocol="tls" if tls else "tcp",
-                         scheduler_file=str(rundir.dask_scheduler_file), **launcher.scheduler_host) as scheduler:
-        try:
-            await launcher.start(scheduler.address, tls, worker_env, rundir)
-            await _wait(scheduler, expected, timeout, launcher, state)
-            say(f"{len(expected)} workers registered in {time.monotonic() - started:.1f} s; "
-                f"scheduler {scheduler.address}")
-            handoff = Handoff(address=scheduler.address, job_id=job_id, tls=tls,
-                              prefect_api_url=api_env.get("PREFECT_API_URL"), workers=expected, site=site.name)
-            path = rundir.publish(handoff)
-            child_env = {**env, **api_env, SCHEDULER_FILE_ENV: str(path), JOB_ID_ENV: job_id,
-                         RUN_DIR_ENV: str(rundir.path), SITE_ENV: site.name}
-            state("running", workers=len(expected))
-            code = await _run_command(command, child_env)
-        finally:
-            for name in ("scheduler.json", "dask-scheduler.json", "tls"):
-                target = rundir.path / name
-                shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
-            await launcher.stop()
-            state("done" if code is not None else "failed", exit_code=code)
+    try:
+        await scheduler
+        api_env = _prefect_api(scheduler.address)
+        worker_env = {**site.env, **api_env, SITE_ENV: site.name,
+                      "DASK_LOGGING__DISTRIBUTED": env["DASK_LOGGING__DISTRIBUTED"]}
+        await launcher.start(scheduler.address, tls, worker_env, rundir)
+        await _wait(scheduler, expected, timeout, launcher, state)
+        say(f"{len(expected)} workers registered in {time.monotonic() - started:.1f} s; scheduler {scheduler.address}")
+        handoff = Handoff(address=scheduler.address, job_id=job_id, tls=tls,
+                          prefect_api_url=api_env.get("PREFECT_API_URL"), workers=expected, site=site.name)
+        path = rundir.publish(handoff)
+        child_env = {**env, **api_env, SCHEDULER_FILE_ENV: str(path), JOB_ID_ENV: job_id,
+                     RUN_DIR_ENV: str(rundir.path), SITE_ENV: site.name}
+        state("running", workers=len(expected))
+        code = await _run_command(command, child_env)
+    finally:
+        for name in ("scheduler.json", "dask-scheduler.json", "tls", "ranks.json"):
+            target = rundir.path / name
+            shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
+        await scheduler.close(reason="hpc-garage run: command finished")  # workers leave with it
+        await launcher.stop()
+        state("done" if code is not None else "failed", exit_code=code)
     return code if code is not None else 1
 
 
@@ -128,14 +130,16 @@ async def _wait(scheduler: Any, expected: list[str], timeout: float, launcher: L
     )
 
 
-def _prefect_api(launcher: Launcher) -> dict[str, str]:
-    """One Prefect API for the flow and every worker (else each worker starts its own temporary server)."""
-    try:
-        from hpc_garage.prefect_server import ensure_api
-    except ImportError:
-        return {}
-    host = launcher.scheduler_host.get("host") or "0.0.0.0"
-    return ensure_api(host=host)
+def _prefect_api(scheduler_address: str) -> dict[str, str]:
+    """One Prefect API for the flow and every worker (else each worker starts its own temporary server).
+
+    It listens where the scheduler does, so every worker that reaches one reaches the other.
+    """
+    from distributed.comm import get_address_host
+
+    from hpc_garage.prefect_server import ensure_api
+
+    return ensure_api(host=get_address_host(scheduler_address))
 
 
 async def _run_command(command: list[str], env: dict[str, str]) -> int:

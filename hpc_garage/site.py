@@ -107,6 +107,7 @@ class Site(_Strict):
     run_directory: str = "~/.hpc-garage/runs"
     setup: list[str] = Field(default_factory=list)
     directives: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)  # exported to the rank launcher and every worker
     python: str | None = None  # interpreter inside jobs; default: the one that runs hpc-garage submit
     mpi: MpiSettings = MpiSettings()
     path: Path | None = Field(None, exclude=True)  # where the file was found; not a YAML key

@@ -1,7 +1,7 @@
 """Memory sizes and walltimes as HPC users write them.
 
 Scheduler conventions win where they differ from Dask's: a bare number of memory is MiB (`sbatch --mem=4000`),
-a one-letter suffix is binary (`--mem=64G` is 64 GiB in Slurm and PBS alike), and a bare walltime number is
+a one-letter suffix is binary (`--mem=64G` is 64 GiB in Slurm), and so is PBS's lower-case `mem=2gb`, and a bare walltime number is
 minutes (`sbatch -t 90`). Everything else (`64GB`, `60 GiB`, `2h`, `90min`) goes to dask.utils.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 
 _SLURM_SUFFIX = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP])\s*$", re.IGNORECASE)
-_PBS_SUFFIX = re.compile(r"^\s*(\d+)\s*([kmgtp])?(b|w)\s*$", re.IGNORECASE)
+_PBS_SUFFIX = re.compile(r"^\s*(\d+)\s*([kmgtp])b\s*$")  # lower case, as PBS writes mem=2gb
 _BINARY = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40, "p": 2**50}
 _CLOCK = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
 
@@ -29,14 +29,16 @@ def parse_memory(value: str | int | float, *, bare: str | None = "MiB") -> int:
         return int(float(text) * _BINARY[bare[0].lower()])
     if m := _SLURM_SUFFIX.match(text):
         return int(float(m.group(1)) * _BINARY[m.group(2).lower()])
-    if (m := _PBS_SUFFIX.match(text)) and m.group(3).lower() == "b" and m.group(2):
-        return int(m.group(1)) * _BINARY[m.group(2).lower()]  # PBS: 'gb' means GiB
+    if m := _PBS_SUFFIX.match(text):
+        return int(m.group(1)) * _BINARY[m.group(2)]  # PBS: 'gb' means GiB
     from dask.utils import parse_bytes
 
     try:
-        size = parse_bytes(text)
+        size = parse_bytes(text) if re.match(r"^\d", text) else 0
     except (ValueError, KeyError, TypeError):
-        raise ValueError(f"{text!r} is not a memory size; write e.g. '64GiB', '64GB' or '64G'") from None
+        size = 0
+    if size <= 0:
+        raise ValueError(f"{text!r} is not a memory size; write e.g. '64GiB', '64GB' or '64G'")
     return int(size)
 
 
@@ -51,15 +53,17 @@ def parse_walltime(value: str | int | float) -> int:
         if days is not None:  # D-HH, D-HH:MM, D-HH:MM:SS
             hours, minutes, seconds = (parts + [0, 0])[:3]
             return int(days) * 86400 + hours * 3600 + minutes * 60 + seconds
-        if len(parts) == 1:
+        if len(parts) == 1 and parts[0] > 0:
             return parts[0] * 60  # bare number: minutes, like sbatch -t
+        if len(parts) == 1:
+            raise ValueError(f"{text!r} is not a walltime; write e.g. '01:30:00' or '90' (minutes)")
         if len(parts) == 2:
             return parts[0] * 60 + parts[1]
         return parts[0] * 3600 + parts[1] * 60 + parts[2]
     from dask.utils import parse_timedelta
 
     try:
-        seconds = parse_timedelta(text, default="seconds")
+        seconds = parse_timedelta(re.sub(r"(?<=\d)\s*mins?$", "m", text), default="seconds")
     except (ValueError, KeyError, TypeError):
         seconds = None
     if seconds is None or seconds <= 0:

@@ -45,7 +45,7 @@ def rank_command(plan_: Plan, rank_argv: list[str], *, in_slurm: bool, nodefile:
     if launch == "srun":
         cores = min(w.resources["CPU"] for w in plan_.workers)
         argv = ["srun", f"--nodes={nodes}", f"--ntasks={total}", f"--ntasks-per-node={per_node}",
-                f"--cpus-per-task={int(cores)}", "--cpu-bind=none", "--kill-on-bad-exit=1",
+                f"--cpus-per-task={int(cores)}", "--kill-on-bad-exit=1",
                 *mpi.srun_args, *rank_argv]
         return RankLaunch(argv, env)
     if mpi.flavor == "openmpi":
@@ -173,7 +173,7 @@ class MpiLauncher(Launcher):
                                    in_slurm=self.plan.allocation.source == "slurm", nodefile=nodefile)
         print(f"hpc-garage: starting ranks: {shlex.join(self.launch.argv)}", file=sys.stderr, flush=True)
         try:
-            self.proc = await asyncio.create_subprocess_exec(*self.launch.argv, env={**self.env, **self.launch.env},
+            self.proc = await asyncio.create_subprocess_exec(*self.launch.argv, env={**self.env, **self.plan.site.env, **self.launch.env},
                                                              start_new_session=True)
         except FileNotFoundError:
             raise UserError(f"{self.launch.argv[0]}: not found; install MPI or set the site's mpi.launch") from None

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import re
 import shlex
 import subprocess
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, ClassVar
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from hpc_garage.errors import AllocationError, UserError
 
 if TYPE_CHECKING:
     from hpc_garage.allocation import Allocation
+    from hpc_garage.jobscript import JobSpec
     from hpc_garage.site import Site
 
 
@@ -34,6 +38,50 @@ class BatchSystem:
             said = " ".join((done.stderr or done.stdout).split()) or f"exit code {done.returncode}"
             raise UserError(f"{argv[0]} failed: {said}")
         return done.stdout
+
+    # ---- taking jobs: each batch system says only what differs; the mechanism is hpc_garage.submission
+
+    template: ClassVar[str] = ""  # job-script template in jobscripts/
+    directive_prefix: ClassVar[str] = ""  # "#SBATCH", "#PBS"
+    submit_command: ClassVar[str] = ""  # "sbatch", "qsub"
+
+    def template_values(self, spec: JobSpec) -> dict[str, str]:
+        """The template's placeholders, and `directives`: the optional options, each without the prefix."""
+        raise UserError(f"the {self.name} batch system takes no jobs; run the script directly with `hpc-garage run`")
+
+    def default_output(self, run_root: Path, job_name: str) -> str:
+        """Where the job's stdout+stderr go unless the user says: a file whose directory exists at submit time."""
+        raise NotImplementedError
+
+    def log_path(self, pattern: str, job_id: str, job_name: str) -> str:
+        """The file a recorded output pattern names for this job (SLURM expands %j; PBS writes it as is)."""
+        return pattern
+
+    def submit_argv(self, script: Path, spec: JobSpec) -> list[str]:
+        raise NotImplementedError
+
+    def parse_job_id(self, output: str) -> str:
+        return parse_job_id(output, self.submit_command)
+
+    def status(self, job_id: str) -> JobStatus | None:
+        """The job, or None once the batch system no longer knows it."""
+        raise NotImplementedError
+
+    def statuses(self, job_ids: Sequence[str]) -> dict[str, JobStatus]:
+        """Several jobs; the ones the batch system no longer knows are missing from the answer."""
+        return {job_id: s for job_id in job_ids if (s := self.status(job_id)) is not None}
+
+    def cancel_argv(self, job_id: str) -> list[str]:
+        raise NotImplementedError
+
+    def run_unless_gone(self, argv: Sequence[str], gone: Sequence[str]) -> str | None:
+        """`run`, but None when the failure says the job is unknown (it left the queue, or never was)."""
+        try:
+            return self.run(argv)
+        except UserError as exc:
+            if any(phrase.lower() in str(exc).lower() for phrase in gone):
+                return None
+            raise
 
 
 def visible_gpus(env: Mapping[str, str], count_var: str | None, *also: str) -> tuple[tuple[str, ...], list[str]]:
@@ -80,3 +128,38 @@ def require(env: Mapping[str, str], var: str, why: str) -> str:
     if not value:
         raise AllocationError(f"{var} is not set, so {why}; run inside the job, or pass request flags")
     return value
+
+
+# ------------------------------------------------------------------------------------- jobs: submit, query
+
+
+PHASES = ("pending", "running", "finished")
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    """A job as its batch system reports it, in the batch system's own words plus one common phase."""
+
+    job_id: str
+    state: str  # the batch system's word: PENDING, RUNNING, COMPLETED, TIMEOUT, Q, R, C, F ...
+    phase: str  # pending | running | finished
+    exit_code: int | None = None  # once finished, when the batch system knows it
+    reason: str | None = None  # why it waits, or how it ended
+    name: str | None = None  # the job name, to tell a recycled job id from ours
+    nodes: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def parse_job_id(output: str, command: str) -> str:
+    """The id a submit command printed on its last line (`12`, `12;cluster`, `12.server`)."""
+    lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
+    job_id = lines[-1].split(";")[0] if lines else ""
+    if not JOB_ID.fullmatch(job_id):
+        said = " ".join(output.split()) or "nothing"
+        raise UserError(f"{command} printed {said!r} instead of a job id; was the job submitted? check the queue")
+    return job_id
+
+
+JOB_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\[\]-]*")

@@ -1,4 +1,4 @@
-"""PBS Pro / OpenPBS / Torque: read a job's allocation from its environment and `qstat -f`."""
+"""PBS Pro / OpenPBS / Torque: read a job's allocation from its environment and `qstat -f`; submit, query, cancel."""
 
 from __future__ import annotations
 
@@ -6,14 +6,15 @@ import re
 import subprocess
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hpc_garage.allocation import Allocation, NodeAllocation
-from hpc_garage.errors import AllocationError
-from hpc_garage.schedulers.base import BatchSystem, _int, require, visible_gpus
-from hpc_garage.units import parse_memory, parse_walltime
+from hpc_garage.errors import AllocationError, UserError
+from hpc_garage.schedulers.base import BatchSystem, JobStatus, _int, require, visible_gpus
+from hpc_garage.units import format_walltime, parse_memory, parse_walltime
 
 if TYPE_CHECKING:
+    from hpc_garage.jobscript import JobSpec
     from hpc_garage.site import Site
 
 
@@ -66,6 +67,78 @@ class Pbs(BatchSystem):
         return Allocation(nodes=node_list, source="pbs", job_id=job_id, walltime=walltime, notes=tuple(notes))
 
 
+    # ---- taking jobs: what PBS spells differently (the mechanism is hpc_garage.submission)
+
+    template = "pbs.sh"
+    directive_prefix = "#PBS"
+    submit_command = "qsub"
+
+    def template_values(self, spec: JobSpec) -> dict[str, Any]:
+        from hpc_garage.jobscript import path_value, plain
+
+        if spec.qos:
+            raise UserError(f"--qos {spec.qos}: PBS has no QOS; drop it, or add the site's equivalent to its directives")
+        if spec.error:
+            raise UserError("a separate --error file is not supported on PBS sites; stdout and stderr share the log")
+        # One chunk per node. `mpiprocs` makes PBS_NODEFILE list each node once per worker, which is what
+        # mpiexec reads; `mem` comes last because Slurm's #PBS emulation reads `mem=` to the end of the line.
+        # PBS Pro has no standard GPU-model resource: a site that has one adds it to its directives.
+        chunk = f"ncpus={spec.tasks_per_node * spec.cpus_per_task}:mpiprocs={spec.tasks_per_node}"
+        chunk += f":ngpus={spec.gpus_per_node}" if spec.gpus_per_node else ""
+        optional = []
+        if spec.queue:
+            optional.append(f"-q {plain(spec.queue, 'queue')}")
+        if spec.account:
+            optional.append(f"-A {plain(spec.account, '--account')}")
+        if spec.nodes > 1:
+            optional.append("-l place=scatter")
+        return {
+            "job_name": spec.job_name,
+            "select": f"{spec.nodes}:{chunk}:mem={_pbs_memory(spec.memory)}",
+            "walltime": format_walltime(spec.walltime),
+            "output": path_value(spec.output, "the log path", quote=False),
+            "directives": optional + list(spec.directives),
+        }
+
+    def default_output(self, run_root: Path, job_name: str) -> str:
+        """PBS names no job id in an output path, so the log gets a unique name of its own."""
+        import secrets
+        import time
+
+        return str(run_root / f"{job_name}.{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}.out")
+
+    def submit_argv(self, script: Path, spec: JobSpec) -> list[str]:
+        # -j/-o repeat the script's own directives: Slurm's qsub wrapper overrides them otherwise
+        # (it forces `-o <script>.o<id>`), and it passes its arguments through a shell, hence plain paths.
+        return ["qsub", "-j", "oe", "-o", spec.output, str(script)]
+
+    def status(self, job_id: str) -> JobStatus | None:
+        out = self.run_unless_gone(["qstat", "-f", job_id], _GONE)
+        if out is None:  # PBS Pro keeps finished jobs in its history, behind -x
+            try:
+                out = self.run(["qstat", "-fx", job_id])
+            except UserError:
+                return None
+        jobs = parse_qstat_jobs(out)
+        info = jobs.get(job_id) or next(iter(jobs.values()), None)
+        if not info or "job_state" not in info:
+            return None
+        state = info["job_state"]
+        phase = "finished" if state in "CFX" else "pending" if state in "QHWTM" else "running"
+        return JobStatus(
+            job_id=job_id,
+            state=state,
+            phase=phase,
+            exit_code=_pbs_exit(info.get("Exit_status")) if phase == "finished" else None,
+            reason=info.get("comment"),
+            name=info.get("Job_Name"),
+            nodes=info.get("exec_host"),
+        )
+
+    def cancel_argv(self, job_id: str) -> list[str]:
+        return ["qdel", job_id]
+
+
 def _cores(env: Mapping[str, str]) -> int:
     for var in ("NCPUS", "PBS_NUM_PPN"):
         if env.get(var):
@@ -106,3 +179,43 @@ def _memory_per_node(info: Mapping[str, str], nhosts: int) -> int | None:
     if total := info.get("Resource_List.mem"):
         return parse_memory(total) // nhosts
     return None
+
+
+# ------------------------------------------------------------------------------- taking jobs: what differs
+
+# A job qstat no longer shows: PBS Pro/Torque say so; Slurm's wrapper just exits non-zero with no output.
+_GONE = ("Unknown Job Id", "Job has finished", "exit code")
+
+
+def parse_qstat_jobs(text: str) -> dict[str, dict[str, str]]:
+    """`qstat -f` with any number of jobs: `Job Id: X` blocks of `key = value` lines (indented by four
+    spaces in PBS Pro, a tab in Slurm's wrapper), continuation lines joined to their key."""
+    jobs: dict[str, dict[str, str]] = {}
+    info: dict[str, str] = {}
+    key = None
+    for line in text.splitlines():
+        if m := re.match(r"^Job Id:\s*(\S+)", line):
+            info = jobs.setdefault(m.group(1), {})
+            key = None
+        elif m := re.match(r"^(?: {4}|\t)([\w.]+) = (.*)$", line):
+            key = m.group(1)
+            info[key] = m.group(2).strip()
+        elif key and line.startswith("\t"):
+            info[key] += line.strip()
+    return jobs
+
+
+def _pbs_exit(value: str | None) -> int | None:
+    """PBS's Exit_status: the script's code; 256 + N when signal N killed it; < 0 when PBS itself failed it."""
+    try:
+        code = int(value) if value is not None else None
+    except ValueError:
+        return None
+    if code is None:
+        return None
+    return 1 if code < 0 else 128 + code - 256 if code > 256 else code
+
+
+def _pbs_memory(size: int) -> str:
+    """`mem=` as PBS writes it: whole gb where it divides, else mb (both binary, as in PBS)."""
+    return f"{size // 2**30}gb" if size % 2**30 == 0 else f"{max(1, size // 2**20)}mb"

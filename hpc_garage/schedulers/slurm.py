@@ -1,17 +1,20 @@
-"""SLURM: read a job's allocation from its environment (and, later, request/submit/query/cancel)."""
+"""SLURM: read a job's allocation from its environment; render its directives, submit, query, cancel."""
 
 from __future__ import annotations
 
 import itertools
 import re
-from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from hpc_garage.allocation import Allocation, NodeAllocation
 from hpc_garage.errors import AllocationError
-from hpc_garage.schedulers.base import BatchSystem, _int, require, visible_gpus
+from hpc_garage.schedulers.base import BatchSystem, JobStatus, _int, require, visible_gpus
+from hpc_garage.units import format_walltime, mib
 
 if TYPE_CHECKING:
+    from hpc_garage.jobscript import JobSpec
     from hpc_garage.site import Site
 
 MIB = 2**20
@@ -49,6 +52,97 @@ class Slurm(BatchSystem):
             end_time=float(end) if end and end.isdigit() else None,
             notes=tuple(notes),
         )
+
+    # ---- taking jobs: what SLURM spells differently (the mechanism is hpc_garage.submission)
+
+    template = "slurm.sh"
+    directive_prefix = "#SBATCH"
+    submit_command = "sbatch"
+
+    def template_values(self, spec: JobSpec) -> dict[str, Any]:
+        from hpc_garage.jobscript import path_value, plain
+
+        optional = []
+        if spec.queue:
+            optional.append(f"--partition={plain(spec.queue, 'partition')}")
+        if spec.account:
+            optional.append(f"--account={plain(spec.account, '--account')}")
+        if spec.qos:
+            optional.append(f"--qos={plain(spec.qos, '--qos')}")
+        if spec.gpus_per_node:
+            kind = f"gpu:{plain(spec.gpu_type, 'GPU type')}" if spec.gpu_type else "gpu"
+            optional.append(f"--gres={kind}:{spec.gpus_per_node}")
+        if spec.error:
+            optional.append(f"--error={path_value(spec.error, '--error', quote=True)}")
+        return {
+            "job_name": spec.job_name,
+            "nodes": str(spec.nodes),
+            "tasks_per_node": str(spec.tasks_per_node),
+            "cpus_per_task": str(spec.cpus_per_task),
+            "memory": f"{max(1, mib(spec.memory))}M",
+            "walltime": format_walltime(spec.walltime),
+            "output": path_value(spec.output, "--output", quote=True),
+            "directives": optional + list(spec.directives),
+        }
+
+    def default_output(self, run_root: Path, job_name: str) -> str:
+        return str(run_root / "%j.out")
+
+    def log_path(self, pattern: str, job_id: str, job_name: str) -> str:
+        """sbatch's filename patterns that a batch job can use: %j %x %u %A %a %%."""
+        import getpass
+
+        def expand(m: re.Match[str]) -> str:
+            key = m.group(1)
+            width = int(key[:-1] or 0) if key != "%" else 0
+            value = {"%": "%", "j": job_id, "A": job_id, "x": job_name, "u": getpass.getuser(), "a": "4294967294"}[key[-1]]
+            return value.zfill(width) if value.isdigit() else value
+
+        return _PATTERN.sub(expand, pattern)
+
+    def submit_argv(self, script: Path, spec: JobSpec) -> list[str]:
+        return ["sbatch", "--parsable", str(script)]
+
+    def status(self, job_id: str) -> JobStatus | None:
+        out = self.run_unless_gone(["scontrol", "show", "job", "-o", job_id], _GONE)
+        fields = parse_scontrol_job(out.splitlines()[0]) if out and out.strip() else {}
+        if "JobState" not in fields:
+            return None
+        state = fields["JobState"]
+        phase = _phase(state)
+        return JobStatus(
+            job_id=job_id,
+            state=state,
+            phase=phase,
+            exit_code=_exit_code(state, fields.get("ExitCode")) if phase == "finished" else None,
+            reason=None if fields.get("Reason") in (None, "None") else fields["Reason"],
+            name=fields.get("JobName"),
+            nodes=fields.get("NodeList") or None,
+        )
+
+    def statuses(self, job_ids: Sequence[str]) -> dict[str, JobStatus]:
+        """One squeue for all; exit codes (which squeue does not show) only for the finished, from scontrol."""
+        if not job_ids:
+            return {}
+        argv = ["squeue", "-h", "-t", "all", "-j", ",".join(job_ids), "-o", "%i|%T|%j|%r|%N"]
+        out = self.run_unless_gone(argv, _GONE) or ""
+        found: dict[str, JobStatus] = {}
+        for line in out.splitlines():
+            job_id, state, name, reason, nodes = (line.split("|") + [""] * 5)[:5]
+            if job_id not in job_ids:
+                continue
+            if _phase(state) == "finished":
+                if (full := self.status(job_id)) is not None:
+                    found[job_id] = full
+                continue
+            found[job_id] = JobStatus(
+                job_id=job_id, state=state, phase=_phase(state), reason=None if reason == "None" else reason,
+                name=name, nodes=nodes or None,
+            )
+        return found
+
+    def cancel_argv(self, job_id: str) -> list[str]:
+        return ["scancel", job_id]
 
 
 def _cores_per_node(env: Mapping[str, str], nhosts: int) -> list[int]:
@@ -144,3 +238,36 @@ def _expand_ranges(ranges: str, hostlist: str) -> list[str]:
         width = len(lo) if lo.startswith("0") else 0
         out += [str(i).zfill(width) for i in range(int(lo), int(hi) + 1)]
     return out
+
+
+# ------------------------------------------------------------------------------- taking jobs: what differs
+
+_FINISHED = {
+    "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE", "OUT_OF_MEMORY",
+    "REVOKED", "SPECIAL_EXIT",
+}
+_PENDING = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD", "SUSPENDED", "STOPPED"}
+_GONE = ("Invalid job id",)  # scontrol/squeue/scancel, once a job has aged out of the controller (MinJobAge)
+_PATTERN = re.compile(r"%(%|\d*[jxuAa])")
+
+
+def _phase(state: str) -> str:
+    base = state.split()[0].rstrip("+") if state else ""
+    return "finished" if base in _FINISHED else "pending" if base in _PENDING else "running"
+
+
+def _exit_code(state: str, exit_code: str | None) -> int | None:
+    """`ExitCode=3:0` is exit 3; `0:15` is signal 15 (128 + 15, as a shell says); a job that ended
+    without success but with exit 0 (TIMEOUT, CANCELLED before start, NODE_FAIL) counts as 1."""
+    if not exit_code or ":" not in exit_code:
+        return None
+    code, _, signal = exit_code.partition(":")
+    if not (code.isdigit() and signal.isdigit()):
+        return None
+    value = int(code) or (128 + int(signal) if int(signal) else 0)
+    return value if value or state == "COMPLETED" else 1
+
+
+def parse_scontrol_job(text: str) -> dict[str, str]:
+    """One `scontrol show job -o` line, for the keys whose values hold no spaces."""
+    return dict(re.findall(r"(?:^|\s)(JobId|JobName|JobState|Reason|ExitCode|NodeList)=(\S*)", text))

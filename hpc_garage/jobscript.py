@@ -1,0 +1,228 @@
+"""The job script: rendered by one function from plain parameters, through a template per batch system.
+
+A job script is inert text until the batch system runs it, and what reaches it from a command line (job
+name, paths, arguments, account) must stay inert. So directive values are held to a plain character set
+(sbatch, PBS Pro and the Torque `qsub` wrapper each split directive lines by their own rules, and the
+wrapper even passes some of them through a shell), and every word of the body that is not the site's own
+shell code (`setup`) is shlex-quoted. Templates are `string.Template` files in `jobscripts/`.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import string
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from functools import cache
+from typing import Any
+
+from hpc_garage import __version__
+from hpc_garage.allocation import Allocation
+from hpc_garage.errors import UserError
+from hpc_garage.layout import Plan, plan
+from hpc_garage.site import Site, packaged_dir
+
+_JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}")
+_PLAIN = re.compile(r"[A-Za-z0-9_.,:@%+=/~-]+")  # nothing any directive parser or shell treats specially
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """Everything a job script says, resolved and checked: the plain parameters `render` works from."""
+
+    scheduler: str  # slurm | pbs
+    site: str  # what `run --site` gets inside the job: the site file's absolute path (or its name)
+    site_name: str
+    job_name: str
+    nodes: int
+    tasks_per_node: int  # Dask workers per node, from the layout
+    cpus_per_task: int  # cores per worker: tasks × cpus claims every core the workers use
+    gpus_per_node: int
+    gpu_type: str | None
+    memory: int  # bytes per node
+    walltime: int  # seconds
+    queue: str | None
+    account: str | None
+    qos: str | None
+    output: str  # stdout (+ stderr unless `error`) as the batch system takes it: may hold %j on SLURM
+    error: str | None
+    directives: tuple[str, ...]  # the site's, then the user's pass-through options, without the prefix
+    setup: tuple[str, ...]  # the site's shell lines, verbatim
+    workdir: str
+    python: str
+    script: str  # absolute
+    args: tuple[str, ...]
+
+    @property
+    def command(self) -> list[str]:
+        """What the job runs: `run` wrapping the user's script, with the same interpreter for both."""
+        return [self.python, "-m", "hpc_garage", "run", "--site", self.site, "--", self.python, self.script, *self.args]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def render(spec: JobSpec) -> str:
+    """The job script for this spec. Pure: same spec, same text."""
+    from hpc_garage.schedulers import get
+
+    batch = get(spec.scheduler)
+    values: dict[str, Any] = batch.template_values(spec)
+    directives = [directive(d, "a directive") for d in values.pop("directives", [])]
+    body = _fill(
+        "body.sh",
+        version=__version__,
+        site_name=spec.site_name,
+        workdir=shlex.quote(spec.workdir),
+        setup="\n".join(_no_nul(line, "a setup line of the site") for line in spec.setup),
+        python=shlex.quote(spec.python),
+        site=shlex.quote(spec.site),
+        command=shlex.join([spec.script, *(_no_nul(a, "an argument") for a in spec.args)]),
+    )
+    return _fill(
+        batch.template, **values, directives="\n".join(f"{batch.directive_prefix} {d}" for d in directives), body=body
+    )
+
+
+def job_spec(
+    site: Site,
+    *,
+    script: str,
+    args: Sequence[str] = (),
+    output: str,
+    workdir: str,
+    python: str,
+    error: str | None = None,
+    nodes: int | None = None,
+    gpus_per_node: int | None = None,
+    cores_per_node: int | None = None,
+    cores_per_worker: int | None = None,
+    memory: int | None = None,
+    walltime: int | None = None,
+    account: str | None = None,
+    qos: str | None = None,
+    queue: str | None = None,
+    job_name: str | None = None,
+    gpu_type: str | None = None,
+    extra_directives: Sequence[str] = (),
+) -> tuple[JobSpec, Plan]:
+    """Check a request against the site (limits, layout) and resolve it into a JobSpec, with its plan.
+
+    `cores_per_worker` is sbatch's `-c` (a task is a worker): the node's cores become c × workers per node.
+    """
+    if cores_per_worker is not None:
+        if cores_per_node is not None:
+            raise UserError("give either --cores-per-node or -c/--cpus-per-task (cores per worker), not both")
+        cores_per_node = _cores_for(site, cores_per_worker, nodes=nodes, gpus_per_node=gpus_per_node, memory=memory)
+    allocation = Allocation.from_request(
+        site, nodes=nodes, gpus_per_node=gpus_per_node, cores_per_node=cores_per_node, memory=memory, walltime=walltime
+    )
+    plan_ = plan(site, allocation)
+    first = [w for w in plan_.workers if w.node == 0]
+    site_gpu_type = site.node.gpu_type
+    if gpu_type and site_gpu_type and gpu_type != site_gpu_type:
+        raise UserError(f"GPU type {gpu_type!r}: site {site.name} has {site_gpu_type!r} GPUs; drop the type or use another site")
+    spec = JobSpec(
+        scheduler=site.scheduler,
+        site=str(site.path.resolve()) if site.path else site.name,
+        site_name=site.name,
+        job_name=job_name_for(job_name, script),
+        nodes=len(allocation.nodes),
+        tasks_per_node=len(first),
+        cpus_per_task=int(first[0].resources["CPU"]),
+        gpus_per_node=len(allocation.nodes[0].gpus),
+        gpu_type=gpu_type or site_gpu_type,
+        memory=allocation.nodes[0].memory,
+        walltime=allocation.walltime or site.walltime,
+        queue=queue or site.queue,
+        account=account or site.account,
+        qos=qos or site.qos,
+        output=output,
+        error=error,
+        directives=(*site.directives, *extra_directives),
+        setup=tuple(site.setup),
+        workdir=workdir,
+        python=python,
+        script=script,
+        args=tuple(args),
+    )
+    render(spec)  # every value checked now, before anything is created or submitted
+    return spec, plan_
+
+
+def _cores_for(site: Site, per_worker: int, **request: int | None) -> int:
+    if per_worker < 1:
+        raise UserError(f"-c {per_worker}: ask for at least 1 core per worker")
+    probe = plan(site, Allocation.from_request(site, **request))  # workers per node do not depend on cores
+    per_node = sum(1 for w in probe.workers if w.node == 0)
+    if per_worker * per_node > site.node.cores:
+        raise UserError(
+            f"-c {per_worker}: site {site.name} puts {per_node} workers on a node, {per_node} × {per_worker} = "
+            f"{per_worker * per_node} cores, but a node has {site.node.cores}; ask for at most -c {site.node.cores // per_node}"
+        )
+    return per_worker * per_node
+
+
+# --------------------------------------------------------------------------------------------- checking
+
+
+def job_name_for(name: str | None, script: str) -> str:
+    """The user's name if it is plain; else the script's stem made plain (an explicit bad name is refused)."""
+    if name is not None:
+        if not _JOB_NAME.fullmatch(name):
+            raise UserError(
+                f"job name {name!r}: use 1 to 64 letters, digits and . _ + - (starting with a letter or digit)"
+            )
+        return name
+    stem = re.sub(r"[^A-Za-z0-9._+-]", "_", script.rsplit("/", 1)[-1].removesuffix(".py")).lstrip("._+-")
+    return stem[:64] or "hpc-garage"
+
+
+def plain(value: str, what: str) -> str:
+    """A directive value that no parser splits or interprets: accounts, partitions, QOS, GPU types."""
+    if not _PLAIN.fullmatch(value):
+        raise UserError(f"{what} {value!r}: use only letters, digits and _ . , : @ % + = / ~ -")
+    return value
+
+
+def path_value(value: str, what: str, *, quote: bool) -> str:
+    """A path as a directive value: plain as it is, or (where the parser honours it) in double quotes."""
+    if _PLAIN.fullmatch(value):
+        return value
+    if quote and not _CONTROL.search(value) and not re.search(r'["\\]', value):
+        return f'"{value}"'
+    allowed = "no control characters, double quotes or backslashes" if quote else "only letters, digits and _ . , : @ % + = / ~ -"
+    raise UserError(f"{what} {value!r}: a path in a job-script directive may contain {allowed}; choose another path")
+
+
+def directive(line: str, what: str) -> str:
+    """One directive line's text (after the prefix): a single line, or it would smuggle in a second one."""
+    if _CONTROL.search(line.replace("\t", " ")):
+        raise UserError(f"{what} {line!r} holds a newline or control character; a directive is one line")
+    return line
+
+
+def _no_nul(text: str, what: str) -> str:
+    if "\0" in text:
+        raise UserError(f"{what} {text!r} holds a NUL byte, which no command line can carry")
+    return text
+
+
+@cache
+def _template(name: str) -> string.Template:
+    path = packaged_dir("jobscripts") / name
+    try:
+        return string.Template(path.read_text())
+    except OSError as exc:
+        raise UserError(f"job-script template {path} cannot be read ({exc.strerror}); reinstall hpc-garage") from None
+
+
+def _fill(name: str, **values: str) -> str:
+    """Substitute; a placeholder alone on its line with an empty value takes the line with it."""
+    text = _template(name).template
+    for key, value in values.items():
+        if value == "":
+            text = text.replace(f"${{{key}}}\n", "")
+    return string.Template(text).substitute(values)
