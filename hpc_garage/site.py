@@ -245,11 +245,30 @@ def describe_validation_error(exc: ValidationError, model: type[BaseModel]) -> s
         elif kind == "literal_error":
             allowed = err.get("ctx", {}).get("expected", "")
             parts.append(f"{key}: {value!r} is not allowed; use one of {allowed}")
+        elif kind in _FIXES:
+            parts.append(f"{key}: {value!r} {_FIXES[kind].format(**err.get('ctx', {}))}")
         else:
             message = err["msg"].removeprefix("Value error, ")
-            shown = "" if kind == "value_error" and loc == [] else f"{value!r}: " if not isinstance(value, dict) else ""
+            # our own validators already quote the value; pydantic's messages do not
+            shown = "" if kind == "value_error" or isinstance(value, dict) else f"{value!r}: "
             parts.append(f"{key}: {shown}{message}" if loc else message)
     return "; ".join(parts)
+
+
+_FIXES = {
+    "greater_than_equal": "is too small; use a number >= {ge}",
+    "greater_than": "is too small; use a number > {gt}",
+    "less_than_equal": "is too large; use a number <= {le}",
+    "int_parsing": "is not a whole number; write e.g. 4",
+    "int_type": "is not a whole number; write e.g. 4",
+    "int_from_float": "is not a whole number; write e.g. 4",
+    "string_type": "is not text; quote it",
+    "list_type": "is not a list; write one item per line, each starting with '- '",
+    "dict_type": "is not a mapping; write `key: value` lines indented under it",
+    "model_type": "is not a mapping; write `key: value` lines indented under it",
+    "model_attributes_type": "is not a mapping; write `key: value` lines indented under it",
+    "string_pattern_mismatch": "has characters that are not allowed; use letters, digits, '.', '_' and '-'",
+}
 
 
 def _fields_at(model: type[BaseModel], loc: list[str]) -> list[str]:

@@ -34,10 +34,10 @@ def parse_memory(value: str | int | float, *, bare: str | None = "MiB") -> int:
     from dask.utils import parse_bytes
 
     try:
-        size = parse_bytes(text) if re.match(r"^\d", text) else 0
+        size = parse_bytes(text) if re.match(r"^\d", text) else -1
     except (ValueError, KeyError, TypeError):
-        size = 0
-    if size <= 0:
+        size = -1
+    if size < 0:
         raise ValueError(f"{text!r} is not a memory size; write e.g. '64GiB', '64GB' or '64G'")
     return int(size)
 

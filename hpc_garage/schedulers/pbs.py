@@ -51,11 +51,11 @@ class Pbs(BatchSystem):
             raise AllocationError(
                 f"PBS_NUM_NODES={env['PBS_NUM_NODES']} but PBS_NODEFILE lists {len(hosts)} hosts; inconsistent job"
             )
-        cores = _cores(env)
+        info = parse_qstat_f(qstat_f(job_id))
+        cores = _cores(env, info, len(hosts))
         gpus, notes = visible_gpus(env, None)
         if not gpus and env.get("PBS_GPUFILE"):
             gpus = _gpus_from_gpufile(read_text(env["PBS_GPUFILE"]), hosts[0])
-        info = parse_qstat_f(qstat_f(job_id))
         memory = _memory_per_node(info, len(hosts))
         if memory is None:
             memory = site.node.memory
@@ -139,11 +139,18 @@ class Pbs(BatchSystem):
         return ["qdel", job_id]
 
 
-def _cores(env: Mapping[str, str]) -> int:
+def _cores(env: Mapping[str, str], info: Mapping[str, str], nhosts: int) -> int:
     for var in ("NCPUS", "PBS_NUM_PPN"):
         if env.get(var):
             return _int(env, var)
-    raise AllocationError("neither NCPUS (PBS Pro) nor PBS_NUM_PPN (Torque) is set; the job's cores are unknown")
+    if m := re.search(r"ncpus=(\d+)", info.get("Resource_List.select", "")):
+        return int(m.group(1))
+    if info.get("Resource_List.ncpus", "").isdigit():
+        return int(info["Resource_List.ncpus"]) // nhosts
+    raise AllocationError(
+        "neither NCPUS (PBS Pro) nor PBS_NUM_PPN (Torque) is set and qstat -f shows no ncpus; "
+        "the job's cores are unknown"
+    )
 
 
 def _gpus_from_gpufile(text: str, host: str) -> tuple[str, ...]:
@@ -161,7 +168,7 @@ def parse_qstat_f(text: str) -> dict[str, str]:
     info: dict[str, str] = {}
     key = None
     for line in text.splitlines():
-        if m := re.match(r"^\s{4}([\w.]+) = (.*)$", line):
+        if m := re.match(r"^\s+([\w.]+) = (.*)$", line):  # PBS Pro indents keys by 4 spaces, Torque by a tab
             key = m.group(1)
             info[key] = m.group(2).strip()
         elif key and line.startswith("\t"):

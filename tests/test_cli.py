@@ -1,0 +1,97 @@
+"""The CLI as a user meets it: real processes, exit codes, one-line errors, and a light start-up."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import DATA, read_env_dump
+
+HEAVY = ("prefect", "distributed", "dask_jobqueue")
+
+
+def hpcg(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hpc_garage", *args], capture_output=True, text=True,
+                          env=env, cwd=cwd, timeout=120)
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "PBS_", "HPC_GARAGE"))}
+    return env | extra
+
+
+def test_show_json_is_one_object_with_the_contracted_keys(tmp_path: Path) -> None:
+    done = hpcg("show", "--site", "slurm-gpu", "--nodes", "2", "--json", env=clean_env(), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)
+    assert set(data) >= {"site", "allocation", "workers"}
+    assert len(data["workers"]) == 8
+    w = data["workers"][0]
+    assert set(w) >= {"name", "node", "host", "nthreads", "memory_limit", "resources", "env"}
+    assert isinstance(w["memory_limit"], int) and w["resources"]["GPU"] == 1
+
+
+def test_show_reads_the_jobs_own_allocation_inside_a_job(tmp_path: Path) -> None:
+    env = clean_env(**read_env_dump(DATA / "env" / "slurm-1node-2gpu.env"))
+    done = hpcg("show", "--site", "lab-gpu", "--json", env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)
+    assert data["allocation"]["source"] == "slurm" and data["allocation"]["job_id"] == "6"
+    assert [w["env"]["CUDA_VISIBLE_DEVICES"] for w in data["workers"]] == ["0", "1"]
+
+
+def test_show_text_for_pbs(tmp_path: Path) -> None:
+    done = hpcg("show", "--site", "pbs-gpu", "--nodes", "3", env=clean_env(), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "node 2" in done.stdout and "4 workers × {GPU=1, CPU=16" in done.stdout
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["show", "--site", "nosuch"], "unknown site 'nosuch'"),
+        (["show", "--site", "slurm-gpu", "--gpus-per-node", "5"], "--gpus-per-node 5"),
+        (["show", "--site", "slurm-gpu", "--time", "3-00:00:00"], "limits.max_walltime"),
+        (["show", "--site", "slurm-gpu", "--mem", "lots"], "lots"),
+    ],
+)
+def test_user_errors_are_one_line_exit_2_no_traceback(args: list[str], fragment: str, tmp_path: Path) -> None:
+    done = hpcg(*args, env=clean_env(), cwd=tmp_path)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr and fragment in done.stderr
+    assert len([ln for ln in done.stderr.splitlines() if "error" in ln.lower()]) == 1
+
+
+def test_bad_site_file_is_one_line_exit_2(tmp_path: Path) -> None:
+    (tmp_path / "site-configs").mkdir()
+    (tmp_path / "site-configs" / "mine.yaml").write_text("scheduler: slurm\nnode: {cores: 4, memroy: 8GiB}\n")
+    done = hpcg("show", "--site", "mine", env=clean_env(), cwd=tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.count("\n") == 1
+    assert "mine.yaml" in done.stderr and "node.memroy" in done.stderr and "did you mean 'memory'" in done.stderr
+
+
+def test_sites_lists_where_each_was_found(tmp_path: Path) -> None:
+    done = hpcg("sites", "--json", env=clean_env(), cwd=tmp_path)
+    rows = {r["name"]: r for r in json.loads(done.stdout)}
+    assert rows["slurm-gpu"]["node"]["gpus"] == 4 and rows["slurm-gpu"]["path"].endswith("slurm-gpu.yaml")
+
+
+def test_version() -> None:
+    from hpc_garage import __version__
+
+    assert __version__ in hpcg("--version").stdout
+
+
+@pytest.mark.parametrize("args", [["--help"], ["sites"], ["show", "--site", "slurm-gpu", "--nodes", "2"]])
+def test_light_commands_do_not_import_heavy_libraries(args: list[str], tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "hpc_garage", *args],
+                          capture_output=True, text=True, env=clean_env(), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    imported = {line.split("|")[-1].strip().split(".")[0] for line in done.stderr.splitlines() if "|" in line}
+    assert not imported & set(HEAVY), imported & set(HEAVY)

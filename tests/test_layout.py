@@ -1,0 +1,168 @@
+"""layout(site, allocation): the worker processes and their per-process resources."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hpc_garage.allocation import Allocation, NodeAllocation
+from hpc_garage.errors import LayoutError
+from hpc_garage.layout import layout, pin_gpus, plan
+from hpc_garage.site import Site, parse_site_dict
+
+GIB = 2**30
+
+
+def site(per: str = "gpu", cores: int = 32, memory: int = 256 * GIB, gpus: int = 4, **workers: Any) -> Site:
+    return parse_site_dict(
+        {
+            "name": "t",
+            "scheduler": "slurm",
+            "node": {"cores": cores, "memory": f"{memory}B", "gpus": gpus},
+            "workers": {"per": per, **workers},
+        }
+    )
+
+
+def alloc(nodes: int = 1, cores: int = 32, memory: int = 256 * GIB, gpus: tuple[str, ...] = ("0", "1", "2", "3")) -> Allocation:
+    return Allocation(nodes=tuple(NodeAllocation(cores, memory, gpus, f"h{i}") for i in range(nodes)), job_id="7")
+
+
+@pytest.mark.parametrize("ngpus", [1, 2, 3, 4, 8])
+def test_one_worker_per_gpu(ngpus: int) -> None:
+    ids = tuple(str(i) for i in range(ngpus))
+    workers = layout(site(gpus=8, cores=48), alloc(cores=48, gpus=ids))
+    assert len(workers) == ngpus
+    assert [w.env["CUDA_VISIBLE_DEVICES"] for w in workers] == list(ids)
+    assert all(w.resources["GPU"] == 1 and w.resources["CPU"] == 48 // ngpus for w in workers)
+    assert all(w.env["OMP_NUM_THREADS"] == str(48 // ngpus) for w in workers)
+
+
+def test_the_issue_example_numbers() -> None:
+    workers = layout(site(reserve_memory="16GiB", threads=2), alloc())
+    w = workers[0]
+    assert w.resources == {"GPU": 1, "CPU": 8, "MEMORY": 60 * GIB, "PROCESS": 1}
+    assert w.nthreads == 2 and w.memory_limit == 60 * GIB
+    assert w.resources_arg == f"GPU=1,CPU=8,MEMORY={60 * GIB},PROCESS=1"
+
+
+def test_many_nodes_each_pinned_to_its_own_gpus() -> None:
+    workers = layout(site(), alloc(nodes=3))
+    assert len(workers) == 12
+    assert Counter(w.node for w in workers) == {0: 4, 1: 4, 2: 4}
+    assert [w.host for w in workers[:4]] == ["h0"] * 4
+    assert len({w.name for w in workers}) == 12
+
+
+def test_uneven_cores_are_reported_not_lost() -> None:
+    p = plan(site(cores=30), alloc(cores=30))
+    assert all(w.resources["CPU"] == 7 for w in p.workers)
+    assert any("2 of 30 cores unused" in x for x in p.leftovers)
+
+
+def test_cpu_only_site_one_worker_per_node() -> None:
+    workers = layout(site(per="node", gpus=0), alloc(nodes=2, gpus=()))
+    assert len(workers) == 2
+    assert "GPU" not in workers[0].resources and "CUDA_VISIBLE_DEVICES" not in workers[0].env
+    assert workers[0].resources["CPU"] == 32 and workers[0].nthreads == 32
+
+
+def test_processes_per_node_split_gpus_and_hide_them_from_workers_without() -> None:
+    p = plan(site(per="process", processes=3), alloc(cores=32, gpus=("0", "1")))
+    assert [w.env["CUDA_VISIBLE_DEVICES"] for w in p.workers] == ["", "", ""]
+    assert any("2 of 2 GPUs unused" in x for x in p.leftovers)
+    p2 = plan(site(per="process", processes=2), alloc(cores=32))
+    assert [w.env["CUDA_VISIBLE_DEVICES"] for w in p2.workers] == ["0,1", "2,3"]
+    assert [w.resources["GPU"] for w in p2.workers] == [2, 2]
+
+
+def test_memory_reserve_comes_off_before_the_split() -> None:
+    workers = layout(site(reserve_memory="16GiB"), alloc())
+    assert sum(w.memory_limit for w in workers) == 240 * GIB
+
+
+def test_uuid_and_mig_ids_pinned_verbatim() -> None:
+    ids = ("GPU-aa", "MIG-bb", "GPU-cc", "GPU-dd")
+    workers = layout(site(), alloc(gpus=ids))
+    assert [w.env["CUDA_VISIBLE_DEVICES"] for w in workers] == list(ids)
+
+
+def test_job_visible_ids_not_global_ones() -> None:
+    # a job whose CUDA_VISIBLE_DEVICES is 2,3 pins to 2 and 3
+    workers = layout(site(gpus=4), alloc(gpus=("2", "3")))
+    assert [w.env["CUDA_VISIBLE_DEVICES"] for w in workers] == ["2", "3"]
+
+
+def test_amd_sites_also_pin_rocr() -> None:
+    s = parse_site_dict({"name": "amd", "scheduler": "slurm", "workers": {"per": "gpu"},
+                         "node": {"cores": 64, "memory": "512GiB", "gpus": 8, "gpu_vendor": "amd"}})
+    w = layout(s, alloc(cores=64, memory=512 * GIB, gpus=tuple(map(str, range(8)))))[5]
+    assert w.env["ROCR_VISIBLE_DEVICES"] == w.env["CUDA_VISIBLE_DEVICES"] == "5"
+
+
+def test_pin_gpus_maps_slots_onto_the_nodes_own_ids() -> None:
+    w = layout(site(), alloc(gpus=("0", "1")))[1]
+    assert pin_gpus(w, ["2", "3"], ("CUDA_VISIBLE_DEVICES",)) == {"CUDA_VISIBLE_DEVICES": "3"}
+    with pytest.raises(LayoutError, match="slot 1"):
+        pin_gpus(w, ["0"], ("CUDA_VISIBLE_DEVICES",))
+
+
+@pytest.mark.parametrize(
+    "s, a, message",
+    [
+        (site(), alloc(gpus=()), "no GPUs"),
+        (site(reserve_memory="8GiB"), alloc(memory=8 * GIB), "reserves"),
+        (site(threads=16), alloc(), "workers.threads"),
+        (site(per="process", processes=8), alloc(cores=4), "fewer than the 8 workers"),
+    ],
+)
+def test_refusals_say_why(s: Site, a: Allocation, message: str) -> None:
+    with pytest.raises(LayoutError, match=message):
+        layout(s, a)
+
+
+# ------------------------------------------------------------------------------------------ properties
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> tuple[Site, Allocation]:
+    per = draw(st.sampled_from(["gpu", "node", "process"]))
+    ngpus = draw(st.integers(1 if per == "gpu" else 0, 8))
+    processes = draw(st.integers(1, 6))
+    cores = draw(st.integers(max(ngpus, processes, 1), 256))
+    memory = draw(st.integers(GIB, 2048 * GIB))
+    reserve = draw(st.integers(0, memory // 2))
+    nodes = draw(st.integers(1, 6))
+    uuids = draw(st.booleans())
+    ids = tuple(f"GPU-{i:04x}" if uuids else str(i) for i in range(ngpus))
+    s = parse_site_dict({"name": "p", "scheduler": "slurm",
+                         "node": {"cores": cores, "memory": f"{memory}B", "gpus": ngpus},
+                         "workers": {"per": per, "processes": processes, "reserve_memory": f"{reserve}B"}})
+    a = Allocation(nodes=tuple(NodeAllocation(cores, memory, ids, f"n{i}") for i in range(nodes)))
+    return s, a
+
+
+@settings(max_examples=300, deadline=None)
+@given(cases())
+def test_invariants(case: tuple[Site, Allocation]) -> None:
+    s, a = case
+    workers = layout(s, a)
+    for index, node in enumerate(a.nodes):
+        mine = [w for w in workers if w.node == index]
+        assert sum(w.resources["CPU"] for w in mine) <= node.cores
+        assert sum(w.memory_limit for w in mine) <= node.memory - s.workers.reserve_memory
+        used = [g for w in mine for g in w.env.get("CUDA_VISIBLE_DEVICES", "").split(",") if g]
+        assert len(used) == len(set(used))  # no GPU shared between processes
+        assert set(used) <= set(node.gpus)
+        if s.workers.per == "gpu":
+            assert sorted(used) == sorted(node.gpus)  # every GPU used by exactly one worker
+            assert all(w.resources["GPU"] == 1 for w in mine)
+    for w in workers:
+        assert w.resources["MEMORY"] == w.memory_limit
+        assert 1 <= w.nthreads <= w.resources["CPU"]
+        assert w.resources.get("GPU", 0) == len(w.gpu_slots)
+        assert w.env["OMP_NUM_THREADS"] == str(w.resources["CPU"])
