@@ -152,12 +152,18 @@ def test_missing_cores_is_an_error_not_a_guess() -> None:
         Allocation.from_env(load_site("slurm-gpu"), env)
 
 
-def test_missing_memory_falls_back_to_site_and_says_so() -> None:
+def test_missing_memory_falls_back_to_the_enforced_limit_then_the_site(monkeypatch: pytest.MonkeyPatch) -> None:
+    import hpc_garage.schedulers.base as base
+
     env = big_machine_env()
     del env["SLURM_MEM_PER_NODE"]
+    monkeypatch.setattr(base, "process_memory_limit", lambda: None)
     a = Allocation.from_env(load_site("slurm-gpu"), env)
     assert a.nodes[0].memory == load_site("slurm-gpu").node.memory
-    assert any("SLURM_MEM_PER_NODE" in n for n in a.notes)
+    assert any("SLURM_MEM_PER_NODE" in n and "node.memory" in n for n in a.notes)
+    monkeypatch.setattr(base, "process_memory_limit", lambda: 100 * GIB)
+    b = Allocation.from_env(load_site("slurm-gpu"), env)
+    assert b.nodes[0].memory == 100 * GIB and any("enforced" in n for n in b.notes)
 
 
 def test_outside_a_job_is_an_error() -> None:
@@ -205,7 +211,7 @@ def test_pbs_torque_gpufile_and_ppn(tmp_path: Path) -> None:
     a = Pbs().allocation_from_env(env, load_site("pbs-gpu"), qstat_f=lambda job: "")
     assert [n.cores for n in a.nodes] == [16, 16]
     assert a.nodes[0].gpus == ("0", "1")
-    assert any("node.memory" in n for n in a.notes)  # no memory anywhere: the site's, said out loud
+    assert any("qstat -f" in n for n in a.notes)  # no memory in qstat: assumed, and said out loud
 
 
 def test_pbs_from_the_local_torque_wrapper(tmp_path: Path) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import shlex
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -163,3 +163,31 @@ def parse_job_id(output: str, command: str) -> str:
 
 
 JOB_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\[\]-]*")
+
+
+def process_memory_limit() -> int | None:
+    """The memory limit the batch system put on this job's processes (cgroup, else RLIMIT_AS), if any.
+
+    Where a job's environment does not say how much memory it was granted, its enforced limit does; only
+    where neither does is the site's node.memory assumed (and said).
+    """
+    import resource
+
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = open(path).read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 2**60:
+            return int(text)
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    return soft if soft != resource.RLIM_INFINITY else None
+
+
+def fallback_memory(site_memory: int, site_name: str, why: str,
+                    limit: Callable[[], int | None] | None = None) -> tuple[int, str]:
+    """Memory per node when the job's variables do not say: its enforced limit, else the site's node."""
+    enforced = (limit or process_memory_limit)()
+    if enforced:
+        return min(enforced, site_memory), f"{why}; using the job's enforced memory limit"
+    return site_memory, f"{why}; assuming site {site_name}'s node.memory"

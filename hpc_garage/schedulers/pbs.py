@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpc_garage.allocation import Allocation, NodeAllocation
 from hpc_garage.errors import AllocationError, UserError
-from hpc_garage.schedulers.base import BatchSystem, JobStatus, _int, require, visible_gpus
+from hpc_garage.schedulers.base import BatchSystem, JobStatus, _int, fallback_memory, require, visible_gpus
 from hpc_garage.units import format_walltime, parse_memory, parse_walltime
 
 if TYPE_CHECKING:
@@ -58,8 +58,8 @@ class Pbs(BatchSystem):
             gpus = _gpus_from_gpufile(read_text(env["PBS_GPUFILE"]), hosts[0])
         memory = _memory_per_node(info, len(hosts))
         if memory is None:
-            memory = site.node.memory
-            notes.append(f"no memory in the job's environment or qstat -f; assuming site {site.name}'s node.memory")
+            memory, note = fallback_memory(site.node.memory, site.name, "no memory in qstat -f")
+            notes.append(note)
         walltime = parse_walltime(info["Resource_List.walltime"]) if info.get("Resource_List.walltime") else None
         if len(hosts) > 1 and gpus:
             notes.append("GPU ids of nodes after the first are read by each worker on its own node")

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpc_garage.allocation import Allocation, NodeAllocation
 from hpc_garage.errors import AllocationError
-from hpc_garage.schedulers.base import BatchSystem, JobStatus, _int, require, visible_gpus
+from hpc_garage.schedulers.base import BatchSystem, JobStatus, _int, fallback_memory, require, visible_gpus
 from hpc_garage.units import format_walltime, mib
 
 if TYPE_CHECKING:
@@ -169,10 +169,7 @@ def _memory_per_node(env: Mapping[str, str], cores: int, gpus: int, site: Site) 
         if not gpus:
             raise AllocationError("SLURM_MEM_PER_GPU is set but the job has no GPUs; the job's environment is inconsistent")
         return _int(env, "SLURM_MEM_PER_GPU") * MIB * gpus, None
-    return site.node.memory, (
-        "no SLURM_MEM_PER_NODE/_CPU/_GPU in the job's environment (no --mem given); "
-        f"assuming site {site.name}'s node.memory"
-    )
+    return fallback_memory(site.node.memory, site.name, "no SLURM_MEM_PER_NODE/_CPU/_GPU in the job's environment")
 
 
 _COUNT = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")

@@ -1,0 +1,39 @@
+"""Submitting small real jobs to the local SLURM from tests, and waiting for them."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import time
+from pathlib import Path
+
+
+def wait_gone(job_id: str, timeout: float = 120) -> str:
+    """Wait until the job left the queue; return its final state from scontrol."""
+    deadline = time.monotonic() + timeout
+    state = ""
+    while time.monotonic() < deadline:
+        out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True).stdout
+        state = m.group(1) if (m := re.search(r"JobState=(\S+)", out)) else ""
+        if state and state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
+            return out
+        time.sleep(0.5)
+    subprocess.run(["scancel", job_id])
+    raise AssertionError(f"job {job_id} still {state} after {timeout} s (cancelled)")
+
+
+def exit_code(scontrol_line: str) -> int:
+    m = re.search(r"ExitCode=(\d+):(\d+)", scontrol_line)
+    assert m, scontrol_line
+    return int(m.group(1))
+
+
+def submit(argv: list[str], script: Path) -> str:
+    done = subprocess.run([*argv, str(script)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip().split(";")[0].split(".")[0]
+
+
+def queue_ids() -> set[str]:
+    out = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout
+    return set(out.split())
