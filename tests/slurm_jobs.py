@@ -29,7 +29,7 @@ def exit_code(scontrol_line: str) -> int:
 
 
 def submit(argv: list[str], script: Path) -> str:
-    done = subprocess.run([*argv, str(script)], capture_output=True, text=True, timeout=60)
+    done = subprocess.run([*argv, str(script)], capture_output=True, text=True, timeout=60, cwd=script.parent)
     assert done.returncode == 0, done.stderr
     return done.stdout.strip().split(";")[0].split(".")[0]
 

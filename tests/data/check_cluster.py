@@ -1,0 +1,50 @@
+"""Run by `hpc-garage run` in tests: records what the cluster it was handed looks like, as JSON."""
+
+import json
+import os
+import stat
+import sys
+
+from distributed import Client
+
+from hpc_garage.handoff import handoff_from_env
+
+KEYS = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "SLURMD_NODENAME", "PREFECT_API_URL", "HPC_GARAGE_SITE")
+
+
+def main(out: str) -> None:
+    path = os.environ["HPC_GARAGE_SCHEDULER_FILE"]
+    h = handoff_from_env()
+    refused = None
+    if h.tls:
+        try:
+            Client(h.address, timeout=3).close()
+            refused = False
+        except Exception:  # TLS handshake or timeout: a client without the job's credentials gets nothing
+            refused = True
+    with Client(h.address, security=h.security(), timeout=30) as c:
+        envs = c.run(lambda: {k: os.environ.get(k) for k in KEYS})
+        workers = {
+            w["name"]: {"resources": w["resources"], "nthreads": w["nthreads"], "memory_limit": w["memory_limit"],
+                        "env": envs[addr]}
+            for addr, w in c.scheduler_info(n_workers=-1)["workers"].items()
+        }
+    run_dir = os.path.dirname(path)
+    record = {
+        "address": h.address,
+        "job_id": h.job_id,
+        "workers": workers,
+        "scheduler_file": path,
+        "scheduler_file_mode": stat.S_IMODE(os.stat(path).st_mode),
+        "run_dir_mode": stat.S_IMODE(os.stat(run_dir).st_mode),
+        "tls_modes": [stat.S_IMODE(os.stat(os.path.join(run_dir, "tls", f)).st_mode)
+                      for f in sorted(os.listdir(os.path.join(run_dir, "tls")))] if h.tls else [],
+        "plain_client_refused": refused,
+    }
+    with open(out, "w") as f:
+        json.dump(record, f, indent=1)
+    sys.exit(int(os.environ.get("CHECK_EXIT", "0")))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

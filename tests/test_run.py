@@ -1,0 +1,153 @@
+"""`hpc-garage run`: on a login node (local cluster) and inside real SLURM / PBS-style jobs (MPI ranks)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import DATA
+from tests.slurm_jobs import exit_code, submit, wait_gone
+
+CHECK = DATA / "check_cluster.py"
+PY = sys.executable
+
+
+def login_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "PBS_", "HPC_GARAGE"))}
+    return env | extra
+
+
+def run(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([PY, "-m", "hpc_garage", "run", *args], capture_output=True, text=True, env=env,
+                          cwd=cwd, timeout=300)
+
+
+@pytest.mark.slow
+def test_login_node_cluster_is_shaped_like_the_site(tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    done = run(["--site", "lab-gpu", "--", PY, str(CHECK), str(out)], login_env(tmp_path, CHECK_EXIT="7"), tmp_path)
+    assert done.returncode == 7, done.stderr  # COMMAND's exit code
+    assert "advertise GPU resources but run with CUDA_VISIBLE_DEVICES empty" in done.stderr
+    r = json.loads(out.read_text())
+    assert len(r["workers"]) == 4
+    for w in r["workers"].values():
+        assert w["resources"]["GPU"] == 1 and w["resources"]["CPU"] == 2
+        assert w["env"]["CUDA_VISIBLE_DEVICES"] == "" and w["env"]["HPC_GARAGE_SITE"] == "lab-gpu"
+        assert w["env"]["PREFECT_API_URL"]  # one Prefect API for every worker
+    assert r["address"].startswith("tls://") and r["plain_client_refused"] is True
+    assert r["scheduler_file_mode"] == 0o600 and r["run_dir_mode"] == 0o700 and set(r["tls_modes"]) == {0o600}
+    assert not Path(r["scheduler_file"]).exists()  # torn down with the cluster
+    state = json.loads((Path(r["scheduler_file"]).parent / "state.json").read_text())
+    assert state["phase"] == "done" and state["exit_code"] == 7
+
+
+@pytest.mark.slow
+def test_insecure_says_so_and_speaks_tcp(tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    done = run(["--site", "local", "--insecure", "--", PY, str(CHECK), str(out)], login_env(tmp_path), tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "--insecure" in done.stderr and json.loads(out.read_text())["address"].startswith("tcp://")
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--site", "local", "--", "no-such-program-xyz"], "no-such-program-xyz"),
+        (["--site", "nosuch", "--", "true"], "unknown site"),
+    ],
+)
+def test_bad_run_is_one_line(tmp_path: Path, args: list[str], fragment: str) -> None:
+    done = run(args, login_env(tmp_path), tmp_path)
+    assert done.returncode == 2 and fragment in done.stderr and "Traceback" not in done.stderr
+
+
+# ------------------------------------------------------------------------------------- inside real jobs
+
+
+def job_script(tmp_path: Path, directives: str, body: str) -> Path:
+    script = tmp_path / "job.sh"
+    script.write_text(f"#!/bin/bash\n{directives}\n{body}\n")
+    return script
+
+
+def run_line(site: str, out: Path) -> str:
+    return f"{PY} -m hpc_garage run --site {site} -- {PY} {CHECK} {out}"
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_two_node_job_pins_each_worker_to_its_own_nodes_gpu(tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    script = job_script(tmp_path, f"#SBATCH -p gpu -N 2 --ntasks-per-node=2 -c 2 --gres=gpu:2 --mem=4G -t 10 "
+                                  f"-o {tmp_path}/job.out", run_line("lab-gpu", out))
+    job = submit(["sbatch", "--parsable"], script)
+    assert exit_code(wait_gone(job, 180)) == 0, (tmp_path / "job.out").read_text()
+    r = json.loads(out.read_text())
+    workers = r["workers"]
+    assert len(workers) == 4 and r["job_id"] == job
+    by_node: dict[str, list[str]] = {}
+    for w in workers.values():
+        assert w["resources"]["GPU"] == 1 and w["resources"]["CPU"] == 2
+        by_node.setdefault(w["env"]["SLURMD_NODENAME"], []).append(w["env"]["CUDA_VISIBLE_DEVICES"])
+    assert sorted(by_node) == ["node1", "node2"]
+    assert all(sorted(ids) == ["0", "1"] for ids in by_node.values())  # one GPU each, as each node shows them
+    assert r["plain_client_refused"] is True
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_two_jobs_at_once_on_one_host_do_not_collide(tmp_path: Path) -> None:
+    jobs = []
+    for i in range(2):
+        d = tmp_path / str(i)
+        d.mkdir()
+        script = job_script(d, f"#SBATCH -p gpu -N 1 --ntasks-per-node=2 -c 2 --gres=gpu:2 --mem=3G -t 10 "
+                               f"-w node1 -o {d}/job.out", run_line("lab-gpu", d / "out.json"))
+        jobs.append((d, submit(["sbatch", "--parsable"], script)))
+    records = []
+    for d, job in jobs:
+        assert exit_code(wait_gone(job, 180)) == 0, (d / "job.out").read_text()
+        records.append(json.loads((d / "out.json").read_text()))
+    assert records[0]["address"] != records[1]["address"]
+    gpus = [{w["env"]["CUDA_VISIBLE_DEVICES"] for w in r["workers"].values()} for r in records]
+    assert all(len(g) == 2 for g in gpus)
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_pbs_style_job_launches_ranks_with_mpiexec_over_the_node_file(tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    # What PBS gives a job and Slurm's Torque wrapper does not: a node file with real host names and NCPUS;
+    # every SLURM variable goes, so only the PBS reader and mpiexec can do the work.
+    body = f"""export PBS_NODEFILE=$(mktemp) NCPUS=4
+hostname > "$PBS_NODEFILE"; hostname >> "$PBS_NODEFILE"
+for v in ${{!SLURM_@}} SLURMD_NODENAME; do [ "$v" = SLURM_CONF ] || unset "$v"; done
+{run_line("lab-pbs", out)}"""
+    script = job_script(tmp_path, "#PBS -l select=1:ncpus=4:mem=4gb\n#PBS -l walltime=00:10:00\n#PBS -q gpu\n"
+                                  "#SBATCH --gres=gpu:2", body)
+    job = submit(["qsub"], script)
+    wait_gone(job, 180)
+    log = "".join(p.read_text() for p in tmp_path.glob("job.sh.[eo]*"))
+    assert "starting ranks: mpiexec -n 2" in log and "--hostfile" in log, log
+    r = json.loads(out.read_text())
+    assert sorted(w["env"]["CUDA_VISIBLE_DEVICES"] for w in r["workers"].values()) == ["0", "1"]
+
+
+@pytest.mark.slurm
+def test_ranks_that_cannot_start_are_named_and_nothing_is_left(tmp_path: Path) -> None:
+    site = tmp_path / "broken.yaml"
+    site.write_text((Path(__file__).parent.parent / "site-configs" / "lab-gpu.yaml").read_text()
+                    + "mpi: {launch: mpiexec, mpiexec: /bin/false}\n" + f"run_directory: {tmp_path}/runs\n")
+    script = job_script(tmp_path, f"#SBATCH -p gpu -N 1 -c 2 --gres=gpu:2 --mem=2G -t 5 -o {tmp_path}/job.out",
+                        f"{PY} -m hpc_garage run --site {site} -- true")
+    job = submit(["sbatch", "--parsable"], script)
+    assert exit_code(wait_gone(job, 120)) == 2
+    log = (tmp_path / "job.out").read_text()
+    assert "workers did not start" in log and "/bin/false" in log and "n0-gpu0" in log and "Traceback" not in log
+    run_dir = tmp_path / "runs" / job
+    assert not (run_dir / "scheduler.json").exists() and not (run_dir / "tls").exists()
