@@ -96,12 +96,6 @@ class Allocation:
         time = f", walltime {format_walltime(self.walltime)}" if self.walltime else ""
         return f"{where}: {len(self.nodes)} node(s){time}"
 
-    def describe_node(self, index: int) -> str:
-        node = self.nodes[index]
-        host = f" ({node.host})" if node.host else ""
-        gpus = f"{len(node.gpus)} GPUs, " if node.gpus else ""
-        return f"node {index}{host}: {gpus}{node.cores} cores, {format_bytes(node.memory)}"
-
 
 def in_batch_job(env: Mapping[str, str] | None = None) -> bool:
     env = os.environ if env is None else env

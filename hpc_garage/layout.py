@@ -162,26 +162,41 @@ def pin_gpus(spec: WorkerSpec, node_gpus: list[str] | tuple[str, ...], env_vars:
 
 
 def describe(plan_: Plan) -> list[str]:
-    """The resource math as a person reads it, one line per node shape."""
-    lines = [f"site {plan_.site.name} ({plan_.site.scheduler}, {plan_.site.launcher} launcher)", plan_.allocation.describe()]
+    """The resource math as a person reads it: one line per run of nodes laid out alike."""
+    lines = [f"site {plan_.site.name} ({plan_.site.scheduler}, {plan_.site.launcher} launcher)",
+             plan_.allocation.describe()]
+    by_node: dict[int, list[WorkerSpec]] = {}
+    for w in plan_.workers:
+        by_node.setdefault(w.node, []).append(w)
+    runs: list[tuple[list[int], str]] = []
     for index in range(len(plan_.allocation.nodes)):
-        ws = [w for w in plan_.workers if w.node == index]
-        w = ws[0]
-        res = ", ".join(
-            f"{k}={format_bytes(v)}" if k == "MEMORY" else f"{k}={_number(v)}" for k, v in w.resources.items()
-        )
-        devices = [w.env.get("CUDA_VISIBLE_DEVICES", "") for w in ws]
-        pinned = f", CUDA_VISIBLE_DEVICES {_span(devices)}" if any(devices) else ""
-        lines.append(
-            f"{plan_.allocation.describe_node(index)} → {len(ws)} workers × {{{res}}}, "
-            f"threads {w.nthreads}, OMP_NUM_THREADS {w.env['OMP_NUM_THREADS']}{pinned}"
-        )
+        text = _node_line(plan_.allocation.nodes[index], by_node[index])
+        if runs and runs[-1][1] == text and runs[-1][0][-1] == index - 1:
+            runs[-1][0].append(index)
+        else:
+            runs.append(([index], text))
+    for indices, text in runs:
+        hosts = [plan_.allocation.nodes[i].host for i in indices]
+        label = f"node {indices[0]}" if len(indices) == 1 else f"nodes {indices[0]}-{indices[-1]}"
+        if hosts[0]:
+            label += f" ({hosts[0]})" if len(hosts) == 1 else f" ({hosts[0]}..{hosts[-1]})"
+        lines.append(f"{label}: {text}")
     lines += [f"note: {n}" for n in plan_.allocation.notes]
     lines += [f"unused: {x}" for x in plan_.leftovers]
     total_gpu = sum(w.resources.get("GPU", 0) for w in plan_.workers)
     lines.append(f"total: {len(plan_.workers)} workers, {_number(total_gpu)} GPUs, "
-                 f"{sum(w.resources['CPU'] for w in plan_.workers)} CPUs")
+                 f"{_number(sum(w.resources['CPU'] for w in plan_.workers))} CPUs")
     return lines
+
+
+def _node_line(node: NodeAllocation, ws: list[WorkerSpec]) -> str:
+    w = ws[0]
+    res = ", ".join(f"{k}={format_bytes(v)}" if k == "MEMORY" else f"{k}={_number(v)}" for k, v in w.resources.items())
+    devices = [x.env.get("CUDA_VISIBLE_DEVICES", "") for x in ws]
+    pinned = f", CUDA_VISIBLE_DEVICES {_span(devices)}" if any(devices) else ""
+    gpus = f"{len(node.gpus)} GPUs, " if node.gpus else ""
+    return (f"{gpus}{node.cores} cores, {format_bytes(node.memory)} → {len(ws)} workers × {{{res}}}, "
+            f"threads {w.nthreads}, OMP_NUM_THREADS {w.env['OMP_NUM_THREADS']}{pinned}")
 
 
 def _span(ids: list[str]) -> str:

@@ -48,7 +48,7 @@ def test_show_reads_the_jobs_own_allocation_inside_a_job(tmp_path: Path) -> None
 def test_show_text_for_pbs(tmp_path: Path) -> None:
     done = hpcg("show", "--site", "pbs-gpu", "--nodes", "3", env=clean_env(), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    assert "node 2" in done.stdout and "4 workers × {GPU=1, CPU=16" in done.stdout
+    assert "nodes 0-2:" in done.stdout and "4 workers × {GPU=1, CPU=16" in done.stdout
 
 
 @pytest.mark.parametrize(
