@@ -95,7 +95,7 @@ def sites(as_json: bool) -> None:
         click.echo(f"{r['name']:<14} {r['scheduler']:<6} {r['launcher']:<9} {shape:<36} {r['path']}")
 
 
-@cli.command()
+@cli.command(context_settings={"allow_interspersed_args": False})
 @click.option("--site", "site_name", envvar="HPC_GARAGE_SITE", required=True, help="Site name or path to a site file.")
 @click.option("--nodes", "-N", type=int, help="Nodes to request (default 1).")
 @click.option("--gpus-per-node", type=int, help="GPUs per node (default: all of the node's).")
@@ -103,11 +103,17 @@ def sites(as_json: bool) -> None:
 @click.option("--mem", callback=_memory, help="Memory per node: 64GiB, 64GB, 64G, or MiB as a bare number.")
 @click.option("--time", "-t", "walltime", callback=_walltime, help="Walltime: 01:30:00, 1-00:00:00, 90 (minutes), 2h.")
 @click.option("--json", "as_json", is_flag=True, help="Print exactly one JSON object.")
-def show(site_name: str, as_json: bool, **request: Any) -> None:
+@click.option("--script", "as_script", is_flag=True, help="Print the job script `submit` would render instead.")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED, metavar="[SCRIPT [ARGS]...]")
+def show(site_name: str, as_json: bool, as_script: bool, command: tuple[str, ...], **request: Any) -> None:
     """Show the workers a site and allocation give, and the resource math behind them.
 
     Inside a job (SLURM or PBS variables set) and without request flags, the job's own allocation is used.
+    With --script, print the job script `hpc-garage submit` would render for SCRIPT (a placeholder if none).
     """
+    if as_script or command:
+        _show_script(site_name, as_script, command, request)
+        return
     from hpc_garage.planning import plan_for
 
     plan_ = plan_for(site_name, **request)
@@ -137,6 +143,170 @@ def run(site_name: str | None, insecure: bool, timeout: float, command: tuple[st
 
     site = site_for_run(site_name, os.environ)
     sys.exit(run_cluster(site, list(command), insecure=insecure, timeout=timeout))
+
+
+# ------------------------------------------------------------------------------- submitting and following
+
+
+def _show_script(site_name: str, as_script: bool, command: tuple[str, ...], request: dict[str, Any]) -> None:
+    if not as_script:
+        raise UserError(f"show takes SCRIPT [ARGS] only with --script (got {' '.join(command)!r})")
+    from hpc_garage.submission import prepare
+
+    script, *args = command or ("SCRIPT.py",)
+    prepared = prepare(
+        site_name, script, args, must_exist=bool(command),
+        nodes=request["nodes"], gpus_per_node=request["gpus_per_node"], cores_per_node=request["cores_per_node"],
+        memory=request["mem"], walltime=request["walltime"],
+    )
+    click.echo(prepared.script, nl=False)
+
+
+def _submit_prepared(prepared: Any, dry_run: bool, wait: bool) -> None:
+    """Print the script (--dry-run), or submit and say where the job and its log are; --wait follows it."""
+    for line in prepared.plan.leftovers:
+        click.echo(f"note: unused: {line}", err=True)
+    if dry_run:
+        click.echo(prepared.script, nl=False)
+        return
+    from hpc_garage import submission
+
+    done = submission.submit(prepared)
+    click.echo(f"submitted job {done.job_id} (site {prepared.site.name})")
+    click.echo(f"log: {done.log}" + (f"  errors: {done.error_log}" if done.error_log else ""))
+    if wait:
+        stdout = click.get_text_stream("stdout")
+        view = submission.find(done.job_id, str(prepared.site.path or prepared.site.name))
+        try:
+            code = submission.wait(view, submission.progress_line(stdout))
+        except KeyboardInterrupt:
+            click.echo(f"\nstopped following job {done.job_id}; it goes on (hpc-garage status/cancel {done.job_id})")
+            sys.exit(130)
+        if stdout.isatty():
+            click.echo()
+        sys.exit(code)
+
+
+@cli.command(context_settings={"allow_interspersed_args": False})
+@click.option("--site", "site_name", envvar="HPC_GARAGE_SITE", required=True, help="Site name or path to a site file.")
+@click.option("--nodes", "-N", type=int, help="Nodes (default 1).")
+@click.option("--gpus-per-node", type=int, help="GPUs per node (default: all of the node's).")
+@click.option("--cores-per-node", type=int, help="Cores per node (default: all).")
+@click.option("--time", "-t", "walltime", callback=_walltime, help="Walltime: 01:30:00, 1-00:00:00, 90 (minutes), 2h.")
+@click.option("--mem", "memory", callback=_memory, help="Memory per node: 64GiB, 64GB, 64G, or MiB as a bare number.")
+@click.option("--account", "-A", help="Account to charge (default: the site's).")
+@click.option("--qos", help="Quality of service (SLURM; default: the site's).")
+@click.option("--job-name", "-J", help="Job name: letters, digits, . _ + - (default: the script's name).")
+@click.option("--dry-run", is_flag=True, help="Print the job script; submit and create nothing.")
+@click.option("--wait", is_flag=True, help="Follow the job until it ends; exit with its exit code.")
+@click.argument("script")
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def submit(site_name: str, script: str, args: tuple[str, ...], dry_run: bool, wait: bool, **request: Any) -> None:
+    """Submit SCRIPT [ARGS] as a batch job that starts Dask across its allocation and runs the script.
+
+    The job runs `python -m hpc_garage run --site SITE -- python SCRIPT ARGS` from this directory.
+    """
+    from hpc_garage.submission import prepare
+
+    _submit_prepared(prepare(site_name, script, args, **request), dry_run, wait)
+
+
+@cli.command(
+    context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
+    short_help="Submit with sbatch's options: -N, -p, --gres, -G, -t, --mem, -c, -A, -J, -o, -e ...",
+)
+@click.argument("argv", nargs=-1, type=click.UNPROCESSED, metavar="[SBATCH OPTIONS] SCRIPT [ARGS]...")
+def sbatch(argv: tuple[str, ...]) -> None:
+    """Submit like sbatch: the options you know, the same job as `submit`.
+
+    Understood: -N/--nodes, -p/--partition, --gres=gpu[:TYPE]:N, -G/--gpus (total, split over nodes),
+    --gpus-per-node, -t/--time, --mem (per node), -c/--cpus-per-task (cores per Dask worker),
+    -A/--account, -J/--job-name, -o/--output, -e/--error, -q/--qos, -W/--wait, plus --site NAME and
+    --dry-run. The site is --site, or the one SLURM site whose queue is the partition. Other sbatch
+    options (-C/--constraint, --exclusive, --mail-type, ...) are written into the job script as #SBATCH
+    lines; options that contradict the site's worker layout (-n, --ntasks-per-node, --mem-per-cpu,
+    --array, ...) are refused with the reason.
+    """
+    from hpc_garage.sbatch_args import parse, site_for
+    from hpc_garage.submission import prepare
+
+    call = parse(argv)
+    site_name = site_for(call)
+    prepared = prepare(site_name, call.script, call.args, output=call.output, error=call.error, **call.request())
+    _submit_prepared(prepared, call.dry_run, call.wait)
+
+
+@cli.command()
+@click.argument("job_id", required=False)
+@click.option("--site", "site_name", help="Site of a job hpc-garage has no run directory for.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (one object for JOBID, else a list).")
+def status(job_id: str | None, site_name: str | None, as_json: bool) -> None:
+    """Show a job, or (without JOBID) every job hpc-garage submitted that has a run directory, newest first."""
+    from hpc_garage import submission
+
+    if job_id is not None:
+        view = submission.lookup(job_id, site_name)
+        if as_json:
+            click.echo(json.dumps(view.to_dict(), indent=2))
+            return
+        data = view.to_dict()
+        click.echo(f"job {job_id} {data['summary']}")
+        batch = view.status
+        details = {
+            "site": data["site"],
+            "name": data["name"],
+            f"{view.batch.name} state": f"{batch.state}" + (f" ({batch.reason})" if batch.reason else "") if batch else "not in the queue",
+            "nodes": batch.nodes if batch else None,
+            "log": data["log"],
+            "run directory": data["run_dir"],
+        }
+        for key, value in details.items():
+            if value:
+                click.echo(f"  {key + ':':<16}{value}")
+        return
+    roots = None
+    if site_name:
+        from hpc_garage.site import load_site
+
+        roots = [submission.run_root(load_site(site_name))]
+    views = submission.status_all(roots)
+    if as_json:
+        click.echo(json.dumps([v.to_dict() for v in views], indent=2))
+        return
+    if not views:
+        click.echo("no jobs: hpc-garage has submitted none that still have a run directory")
+        return
+    import time
+
+    click.echo(f"{'JOBID':<12} {'SITE':<14} {'NAME':<20} {'SUBMITTED':<17} STATE")
+    for v in views:
+        d = v.to_dict()
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(d["submitted"])) if d["submitted"] else "-"
+        click.echo(f"{v.job_id:<12} {d['site'] or '-':<14} {(d['name'] or '-')[:20]:<20} {when:<17} {d['summary']}")
+
+
+@cli.command()
+@click.argument("job_id")
+@click.option("--site", "site_name", help="Site of a job hpc-garage has no run directory for.")
+def cancel(job_id: str, site_name: str | None) -> None:
+    """Cancel a queued or running job (scancel / qdel), and say what was done."""
+    from hpc_garage import submission
+
+    click.echo(submission.cancel(submission.find(job_id, site_name)))
+
+
+@cli.command()
+@click.argument("job_id")
+@click.option("--follow", "-f", is_flag=True, help="Keep printing as the log grows, until the job ends.")
+@click.option("--site", "site_name", help="Where to look for the job's run directory.")
+def logs(job_id: str, follow: bool, site_name: str | None) -> None:
+    """Print a job's log (its stdout and stderr, or both files when they were split with -e)."""
+    from hpc_garage import submission
+
+    try:
+        submission.logs(submission.find(job_id, site_name), click.get_binary_stream("stdout"), follow=follow)
+    except KeyboardInterrupt:
+        sys.exit(130)
 
 
 def main(argv: list[str] | None = None) -> None:

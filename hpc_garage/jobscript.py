@@ -81,9 +81,8 @@ def render(spec: JobSpec) -> str:
         site=shlex.quote(spec.site),
         command=shlex.join([spec.script, *(_no_nul(a, "an argument") for a in spec.args)]),
     )
-    return _fill(
-        batch.template, **values, directives="\n".join(f"{batch.directive_prefix} {d}" for d in directives), body=body
-    )
+    directive_lines = "\n".join(f"{batch.directive_prefix} {d}" for d in directives)
+    return _fill(batch.template, **values, directives=directive_lines, body=body.rstrip("\n"))
 
 
 def job_spec(

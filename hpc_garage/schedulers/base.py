@@ -133,9 +133,6 @@ def require(env: Mapping[str, str], var: str, why: str) -> str:
 # ------------------------------------------------------------------------------------- jobs: submit, query
 
 
-PHASES = ("pending", "running", "finished")
-
-
 @dataclass(frozen=True)
 class JobStatus:
     """A job as its batch system reports it, in the batch system's own words plus one common phase."""

@@ -1,0 +1,482 @@
+"""Submitting a job and following it: the mechanism every batch system shares, written once.
+
+A submission either completes or leaves nothing behind. The job script is written to a private temporary
+file in the site's run root and handed to sbatch/qsub; once the id is known, the job's run directory
+`<run root>/<id>/` gets `job.sh` (that script) and `submit.json` (what was asked, where the log goes). If
+anything fails after the batch system took the job, the job is cancelled and what was created is removed.
+
+Afterwards a job is known by its run directory: `status`, `wait`, `cancel` and `logs` read `submit.json`
+for the site and log paths, ask the batch system about the job, and read `state.json`, which `hpc-garage
+run` keeps up to date inside the job, for what the batch system cannot know (workers up, the exit code
+once the batch system has forgotten the job). Files from an older job with a recycled id are ignored by time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+from hpc_garage.errors import UserError
+from hpc_garage.handoff import RunDir, write_private
+from hpc_garage.schedulers.base import JOB_ID, BatchSystem, JobStatus
+
+if TYPE_CHECKING:
+    from hpc_garage.jobscript import JobSpec
+    from hpc_garage.layout import Plan
+    from hpc_garage.site import Site
+
+SUBMIT_FILE = "submit.json"
+STATE_FILE = "state.json"
+SCRIPT_FILE = "job.sh"
+CLOCK_SLACK = 5.0  # seconds: a state.json or log older than the submission (minus this) is an older job's
+
+
+def run_root(site: Site) -> Path:
+    """Where a site's run directories live (`RunDir.for_job(site.run_directory, id)` is one of them)."""
+    return _root(site.run_directory)
+
+
+def _root(run_directory: str) -> Path:
+    return RunDir.for_job(run_directory, "_").path.parent
+
+
+# -------------------------------------------------------------------------------------------- submitting
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A checked, rendered job that has not been submitted: what `--dry-run` prints."""
+
+    site: Site
+    spec: JobSpec
+    plan: Plan
+    script: str  # the job script's text
+    root: Path  # the site's run root
+
+
+def prepare(
+    site_name: str,
+    script: str,
+    args: Sequence[str] = (),
+    *,
+    cwd: str | None = None,
+    output: str | None = None,
+    error: str | None = None,
+    must_exist: bool = True,
+    **request: Any,
+) -> Prepared:
+    """Load the site, check the script and the request, render the job script. Reads, never writes.
+
+    `request` holds `jobscript.job_spec`'s keywords (nodes, gpus_per_node, memory, walltime, queue, ...).
+    """
+    from hpc_garage.jobscript import job_name_for, job_spec, render
+    from hpc_garage.schedulers import get
+    from hpc_garage.site import load_site
+
+    site = load_site(site_name)
+    if site.scheduler == "local":
+        raise UserError(
+            f"site {site.name} is local (no batch system); run it here with "
+            f"`hpc-garage run --site {site.name} -- python {script}`"
+        )
+    workdir = os.path.abspath(cwd or os.getcwd())
+    script_path = os.path.join(workdir, os.path.expanduser(script))
+    if must_exist and not os.path.isfile(script_path):
+        raise UserError(f"script {script_path} does not exist; check the path")
+    root = run_root(site)
+    batch = get(site.scheduler)
+    name = job_name_for(request.get("job_name"), script_path)
+    output = _absolute(output, workdir, "--output") if output else batch.default_output(root, name)
+    error = _absolute(error, workdir, "--error") if error else None
+    python = os.path.expanduser(site.python) if site.python else sys.executable
+    spec, plan_ = job_spec(
+        site, script=os.path.abspath(script_path), args=args, output=output, error=error, workdir=workdir,
+        python=python, **request,
+    )
+    return Prepared(site=site, spec=spec, plan=plan_, script=render(spec), root=root)
+
+
+def _absolute(path: str, workdir: str, flag: str) -> str:
+    """A log path as the job will open it; its directory must exist now, or the log is lost."""
+    full = os.path.join(workdir, os.path.expanduser(path))
+    if not os.path.isdir(os.path.dirname(full)):
+        raise UserError(f"{flag} {path}: directory {os.path.dirname(full)} does not exist; create it first")
+    return full
+
+
+@dataclass(frozen=True)
+class Submitted:
+    job_id: str
+    run_dir: Path
+    log: str  # the output file (job id filled in)
+    error_log: str | None
+    record: dict[str, Any]
+
+
+def submit(prepared: Prepared) -> Submitted:
+    """Hand the job to the batch system and record it; on any failure, leave no job and no files."""
+    from hpc_garage.schedulers import get
+
+    spec, batch = prepared.spec, get(prepared.spec.scheduler)
+    undo: list[Callable[[], None]] = []
+    try:
+        _make_dirs(prepared.root, undo)
+        fd, temp = tempfile.mkstemp(dir=prepared.root, prefix=".submit-", suffix=".sh")
+        undo.append(lambda: Path(temp).unlink(missing_ok=True))
+        with os.fdopen(fd, "w") as f:
+            f.write(prepared.script)
+        job_id = batch.parse_job_id(batch.run(batch.submit_argv(Path(temp), spec)))
+        # undone in reverse: the job is cancelled first, then its log and run directory go
+        run_dir = RunDir.for_job(prepared.root, job_id).path
+        if not run_dir.exists():
+            undo.append(lambda: shutil.rmtree(run_dir, ignore_errors=True))
+        log = batch.log_path(spec.output, job_id, spec.job_name)
+        error_log = batch.log_path(spec.error, job_id, spec.job_name) if spec.error else None
+        new_logs = [Path(p) for p in (log, error_log) if p and not os.path.exists(p)]  # never a user's old file
+        undo.append(lambda: [p.unlink(missing_ok=True) for p in new_logs])
+        undo.append(lambda: _cancel_quietly(batch, job_id))
+        run_dir.mkdir(mode=0o700, exist_ok=True)
+        os.replace(temp, run_dir / SCRIPT_FILE)
+        record = {
+            "job_id": job_id,
+            "site": prepared.site.name,
+            "site_file": spec.site,
+            "scheduler": spec.scheduler,
+            "script": spec.script,
+            "args": list(spec.args),
+            "cwd": spec.workdir,
+            "job_name": spec.job_name,
+            "log": {"output": spec.output, "error": spec.error, "path": log, "error_path": error_log},
+            "submitted": time.time(),
+            "request": {
+                k: getattr(spec, k)
+                for k in ("nodes", "tasks_per_node", "cpus_per_task", "gpus_per_node", "memory", "walltime", "queue")
+            },
+        }
+        write_private(run_dir / SUBMIT_FILE, json.dumps(record, indent=2))
+    except BaseException:
+        for step in reversed(undo):
+            try:
+                step()
+            except Exception:  # noqa: BLE001 - undoing is best effort; the first error is the one to show
+                pass
+        raise
+    return Submitted(job_id=job_id, run_dir=run_dir, log=log, error_log=error_log, record=record)
+
+
+def _make_dirs(root: Path, undo: list[Callable[[], None]]) -> None:
+    """The run root and any missing parents (0700), each removed again on failure if it stayed empty."""
+    missing = []
+    for parent in [root, *root.parents]:
+        if parent.exists():
+            break
+        missing.append(parent)
+    for directory in reversed(missing):
+        directory.mkdir(mode=0o700)
+        undo.append(lambda d=directory: d.rmdir() if d.is_dir() and not any(d.iterdir()) else None)
+
+
+def _cancel_quietly(batch: BatchSystem, job_id: str) -> None:
+    try:
+        batch.run(batch.cancel_argv(job_id))
+    except UserError:
+        pass
+
+
+# ---------------------------------------------------------------------------------------- finding jobs
+
+
+@dataclass
+class JobView:
+    """One job as hpc-garage sees it: its record, the batch system's word, and `run`'s state file."""
+
+    job_id: str
+    record: dict[str, Any] | None  # submit.json; None for a job hpc-garage has no run directory for
+    run_dir: Path | None
+    batch: BatchSystem
+    status: JobStatus | None = None  # None: the batch system does not know the job (any more)
+    state: dict[str, Any] | None = field(default=None)  # state.json, if written for this very job
+
+    @property
+    def finished(self) -> bool:
+        if self.status is not None:
+            return self.status.phase == "finished"
+        return True  # out of the queue: nothing more will happen
+
+    @property
+    def exit_code(self) -> int | None:
+        if self.status is not None and self.status.exit_code is not None:
+            return self.status.exit_code
+        code = (self.state or {}).get("exit_code")
+        return code if isinstance(code, int) else None
+
+    def summary(self) -> str:
+        """`pending`, `running`, `workers 3/8`, `done`, `failed (exit 3)`, ...: what `--wait` shows."""
+        s, state = self.status, self.state or {}
+        phase = state.get("phase")
+        if s is None:
+            if phase in ("done", "failed"):
+                return self._ended("COMPLETED" if self.exit_code == 0 else "FAILED")
+            return "left the queue" + (f" (last seen {phase})" if phase else "; no state recorded")
+        if s.phase == "pending":
+            return "pending" + (f" ({s.reason})" if s.reason else "")
+        if s.phase == "running":
+            workers, expected = state.get("workers"), state.get("expected")
+            if phase == "workers" and expected:
+                return f"workers {workers or 0}/{expected}"
+            if phase == "running":
+                return f"running ({workers} worker{'s' if workers != 1 else ''})" if workers else "running"
+            return "running" + (" (starting)" if phase == "starting" else "")
+        return self._ended(s.state)
+
+    def _ended(self, state: str) -> str:
+        code = self.exit_code
+        word = state.split()[0].lower() if state else "finished"
+        if word in ("completed", "c", "f", "x"):
+            word = "done" if code == 0 else "failed" if code else "finished"
+        if code is None:
+            return f"{word} (exit code unknown)"
+        return word if code == 0 and word == "done" else f"{word} (exit {code})"
+
+    def to_dict(self) -> dict[str, Any]:
+        record = self.record or {}
+        return {
+            "job_id": self.job_id,
+            "site": record.get("site"),
+            "scheduler": self.batch.name,
+            "name": record.get("job_name") or (self.status.name if self.status else None),
+            "summary": self.summary(),
+            "finished": self.finished,
+            "exit_code": self.exit_code if self.finished else None,
+            "batch": self.status.to_dict() if self.status else None,
+            "run": self.state,
+            "submitted": record.get("submitted"),
+            "log": (record.get("log") or {}).get("path"),
+            "run_dir": str(self.run_dir) if self.run_dir else None,
+        }
+
+
+def run_roots() -> list[Path]:
+    """Every run root a visible site names (sites may differ), the default one first."""
+    from hpc_garage.site import Site, find_sites, load_site
+
+    roots = [_root(Site.model_fields["run_directory"].default)]
+    for path in find_sites().values():
+        try:
+            root = run_root(load_site(path))
+        except UserError:
+            continue
+        if root not in roots:
+            roots.append(root)
+    return roots
+
+
+def records(roots: Sequence[Path] | None = None) -> Iterator[tuple[Path, dict[str, Any]]]:
+    """(run directory, submit.json) for every job hpc-garage submitted, in any order."""
+    for root in run_roots() if roots is None else roots:
+        for file in root.glob(f"*/{SUBMIT_FILE}") if root.is_dir() else []:
+            try:
+                record = json.loads(file.read_text())
+            except (OSError, json.JSONDecodeError):
+                continue
+            if isinstance(record, dict) and record.get("job_id") == file.parent.name:
+                yield file.parent, record
+
+
+def check_job_id(job_id: str) -> str:
+    if not JOB_ID.fullmatch(job_id) or ".." in job_id:
+        raise UserError(f"job id {job_id!r} is not a job id (like 12, 12.server or 12_3)")
+    return job_id
+
+
+def find(job_id: str, site_name: str | None = None) -> JobView:
+    """The job with this id: from its run directory (the newest, if ids were recycled), or just its batch system."""
+    from hpc_garage.schedulers import get
+
+    check_job_id(job_id)
+    roots = None
+    if site_name:
+        from hpc_garage.site import load_site
+
+        site = load_site(site_name)
+        roots = [run_root(site)]
+    candidates = [
+        (run_dir, rec) for root in (roots or run_roots()) if (run_dir := root / job_id).is_dir()
+        for rec in [_read_json(run_dir / SUBMIT_FILE)] if rec and rec.get("job_id") == job_id
+    ]
+    if candidates:
+        run_dir, record = max(candidates, key=lambda c: c[1].get("submitted") or 0)
+        return JobView(job_id=job_id, record=record, run_dir=run_dir, batch=get(record.get("scheduler", "slurm")))
+    batch = get(site.scheduler) if site_name else _guess_batch(job_id)
+    return JobView(job_id=job_id, record=None, run_dir=None, batch=batch)
+
+
+def lookup(job_id: str, site_name: str | None = None) -> JobView:
+    """`find` and `refresh`, refusing a job that neither hpc-garage nor the batch system knows."""
+    view = refresh(find(job_id, site_name))
+    if view.record is None and view.status is None:
+        raise UserError(
+            f"job {job_id} is unknown: not in the {view.batch.name} queue, and no run directory of that id "
+            "(pass --site if the job's site keeps its runs elsewhere)"
+        )
+    return view
+
+
+def _guess_batch(job_id: str) -> BatchSystem:
+    """For a job hpc-garage did not submit: SLURM where its commands exist (its qsub is a wrapper), else PBS."""
+    from hpc_garage.schedulers import get
+
+    for name, command in (("slurm", "scontrol"), ("pbs", "qstat")):
+        if shutil.which(command):
+            return get(name)
+    raise UserError(f"job {job_id} has no run directory and neither scontrol nor qstat is on PATH; pass --site")
+
+
+def refresh(view: JobView, status: JobStatus | None | bool = False) -> JobView:
+    """Ask the batch system (unless `status` is given) and read state.json; ignore what is an older job's."""
+    if status is False:
+        status = view.batch.status(view.job_id)
+    record = view.record or {}
+    if status is not None and record.get("job_name") and status.name and status.name != record["job_name"]:
+        status = None  # the id now belongs to someone else's job: ours has left the queue
+    view.status = status  # type: ignore[assignment]
+    view.state = None
+    if view.run_dir is not None:
+        state = _read_json(view.run_dir / STATE_FILE)
+        submitted = record.get("submitted") or 0
+        if state and (state.get("updated") or 0) >= submitted - CLOCK_SLACK:
+            view.state = state
+    return view
+
+
+def status_all(roots: Sequence[Path] | None = None) -> list[JobView]:
+    """Every job with a run directory, newest first, each batch system asked once."""
+    from hpc_garage.schedulers import get
+
+    found: dict[tuple[str, str], tuple[Path, dict[str, Any]]] = {}
+    for run_dir, record in records(roots):
+        key = (record.get("scheduler", "slurm"), record["job_id"])
+        if key not in found or (record.get("submitted") or 0) > (found[key][1].get("submitted") or 0):
+            found[key] = (run_dir, record)
+    views = [
+        JobView(job_id=job_id, record=record, run_dir=run_dir, batch=get(scheduler))
+        for (scheduler, job_id), (run_dir, record) in found.items()
+    ]
+    for scheduler in {v.batch.name for v in views}:
+        mine = [v for v in views if v.batch.name == scheduler]
+        answers = mine[0].batch.statuses([v.job_id for v in mine])
+        for v in mine:
+            refresh(v, answers.get(v.job_id))
+    return sorted(views, key=lambda v: (v.record or {}).get("submitted") or 0, reverse=True)
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+# ------------------------------------------------------------------------------------ following a job
+
+
+def wait(view: JobView, report: Callable[[str], None], *, interval: float = 0.5, limit: float = 1.0) -> int:
+    """Report the job's summary whenever it changes until it ends; return its exit code (1 when unknown)."""
+    shown = None
+    while True:
+        refresh(view)
+        text = f"job {view.job_id} {view.summary()}"
+        if text != shown:
+            report(text)
+            shown = text
+        if view.finished:
+            code = view.exit_code
+            return 1 if code is None else code
+        time.sleep(interval)
+        interval = min(limit, interval * 1.5)
+
+
+def progress_line(stream: IO[str]) -> Callable[[str], None]:
+    """One line rewritten in place on a terminal; one line per change elsewhere (logs, pipes)."""
+    tty = stream.isatty()
+
+    def report(text: str) -> None:
+        stream.write(f"\r\x1b[K{text}" if tty else f"{text}\n")
+        stream.flush()
+
+    return report
+
+
+def cancel(view: JobView) -> str:
+    """Cancel the job if it is still queued or running; say what was done."""
+    refresh(view)
+    status = view.status
+    if status is None:
+        raise UserError(f"job {view.job_id} is not in the {view.batch.name} queue (it ended, or never was); nothing to cancel")
+    if status.phase == "finished":
+        return f"job {view.job_id} already ended ({status.state}); nothing to cancel"
+    view.batch.run(view.batch.cancel_argv(view.job_id))
+    return f"cancelled job {view.job_id} (it was {status.phase}; `{' '.join(view.batch.cancel_argv(view.job_id))}`)"
+
+
+def log_files(view: JobView) -> list[Path]:
+    """The job's output file, and its error file when separate."""
+    if view.record is None:
+        raise UserError(
+            f"job {view.job_id} has no run directory, so its log paths are unknown; "
+            "its job script's output directive says where they are"
+        )
+    log = view.record.get("log") or {}
+    return [Path(p) for p in (log.get("path"), log.get("error_path")) if p]
+
+
+def logs(view: JobView, out: IO[bytes], *, follow: bool = False, poll: float = 0.5) -> None:
+    """Copy the job's log to `out`; with `follow`, keep copying until the job has ended and the log is drained."""
+    files = log_files(view)
+    submitted = (view.record or {}).get("submitted") or 0
+    if not follow:
+        fresh = [f for f in files if _fresh(f, submitted)]
+        if not fresh:
+            refresh(view)
+            raise UserError(f"job {view.job_id} ({view.summary()}) has no log yet at {files[0]}; "
+                            f"`hpc-garage logs {view.job_id} --follow` waits for it")
+        for f in fresh:
+            if len(fresh) > 1:
+                out.write(f"==> {f} <==\n".encode())
+            out.write(f.read_bytes())
+        out.flush()
+        return
+    offsets = {f: 0 for f in files}
+    while True:
+        ended = refresh(view).finished  # ask first: what is written before the job ends is read below
+        for f, offset in offsets.items():
+            if not _fresh(f, submitted):
+                continue
+            with f.open("rb") as handle:
+                handle.seek(offset)
+                chunk = handle.read()
+            if chunk:
+                out.write(chunk)
+                out.flush()
+                offsets[f] = offset + len(chunk)
+        if ended:
+            return
+        time.sleep(poll)
+
+
+def _fresh(path: Path, submitted: float) -> bool:
+    """The file exists and was written by this job, not an older one with the same id."""
+    try:
+        return path.stat().st_mtime >= submitted - CLOCK_SLACK
+    except OSError:
+        return False
+
