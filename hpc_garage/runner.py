@@ -9,6 +9,7 @@ through $HPC_GARAGE_SCHEDULER_FILE, and `run` exits with COMMAND's exit code.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -112,10 +113,26 @@ async def _serve(site: Site, plan_: Plan, launcher: Launcher, rundir: RunDir, jo
         for name in ("scheduler.json", "dask-scheduler.json", "tls", "ranks.json"):
             target = rundir.path / name
             shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
-        await scheduler.close(reason="hpc-garage run: command finished")  # workers leave with it
+        await _retire(scheduler)
+        await scheduler.close(reason="hpc-garage run: command finished")
         await launcher.stop()
         state("done" if code is not None else "failed", exit_code=code)
     return code if code is not None else 1
+
+
+async def _retire(scheduler: Any) -> None:
+    """Close workers (and their nannies) first, so none is left heartbeating into a closed scheduler."""
+    if scheduler.workers:
+        quiet = logging.getLogger("distributed.scheduler")
+        level = quiet.level
+        quiet.setLevel(logging.CRITICAL)  # a nanny told to terminate hangs up without a reply
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(scheduler.broadcast(msg={"op": "terminate", "reason": "hpc-garage run ended"},
+                                                       nanny=True, on_error="ignore"), 20)
+        quiet.setLevel(level)
+        deadline = time.monotonic() + 10
+        while scheduler.workers and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
 
 
 async def _wait(scheduler: Any, expected: list[str], timeout: float, launcher: Launcher, state: RunState) -> None:

@@ -177,8 +177,9 @@ def process_memory_limit() -> int | None:
             continue
         if text.isdigit() and int(text) < 2**60:
             return int(text)
-    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
-    return soft if soft != resource.RLIM_INFINITY else None
+    limits = [resource.getrlimit(r)[0] for r in (resource.RLIMIT_AS, resource.RLIMIT_RSS)]  # Slurm sets RSS
+    finite = [x for x in limits if x != resource.RLIM_INFINITY and x > 0]
+    return min(finite) if finite else None
 
 
 def fallback_memory(site_memory: int, site_name: str, why: str,
