@@ -64,11 +64,14 @@ class Allocation:
         walltime: int | None = None,
     ) -> Allocation:
         """The allocation a request would get, refused here (with the reason) if the site cannot grant it."""
+        gpus = site.node.gpus if gpus_per_node is None else gpus_per_node
+        # part of a GPU node comes with the same part of its cores and memory, so jobs can share the node
+        share = gpus / site.node.gpus if site.node.gpus and 0 < gpus < site.node.gpus else 1
         request = _Request(
             nodes=1 if nodes is None else nodes,
-            gpus=site.node.gpus if gpus_per_node is None else gpus_per_node,
-            cores=site.node.cores if cores_per_node is None else cores_per_node,
-            memory=site.node.memory if memory is None else memory,
+            gpus=gpus,
+            cores=max(1, int(site.node.cores * share)) if cores_per_node is None else cores_per_node,
+            memory=int(site.node.memory * share) if memory is None else memory,
             walltime=site.walltime if walltime is None else walltime,
         )
         check_request(site, request)

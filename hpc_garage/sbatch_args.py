@@ -276,6 +276,10 @@ def site_for(call: SbatchCall) -> str:
         if site.scheduler == "slurm" and site.queue:
             by_queue.setdefault(site.queue, []).append(name)
     matches = by_queue.get(partition, [])
+    if len(matches) > 1:  # several sites name this partition: keep those shaped like its real nodes
+        shapes = _partition_shapes(partition)
+        fitting = [n for n in matches if (load_site(n).node.cores, load_site(n).node.gpus) in shapes]
+        matches = fitting if len(fitting) == 1 else matches
     if len(matches) == 1:
         return matches[0]
     given = f"-p {partition}" if call.partition else f"the default partition {partition}"
@@ -283,6 +287,21 @@ def site_for(call: SbatchCall) -> str:
         raise UserError(f"{given}: {len(matches)} SLURM sites use it ({', '.join(matches)}); pick one with --site NAME")
     known = "; ".join(f"{q}: {', '.join(n)}" for q, n in sorted(by_queue.items())) or "none"
     raise UserError(f"{given}: no SLURM site uses this partition (sites by partition: {known}); pass --site NAME")
+
+
+def _partition_shapes(partition: str) -> set[tuple[int, int]]:
+    """(cores, GPUs) of the partition's nodes, as `sinfo` reports them."""
+    import re
+
+    from hpc_garage.schedulers import get
+
+    shapes = set()
+    for line in get("slurm").run(["sinfo", "-h", "-p", partition, "-o", "%c|%G"]).split():
+        cores, _, gres = line.partition("|")
+        gpus = sum(int(m.group(1)) for m in re.finditer(r"gpu(?::[^:,(]+)?:(\d+)", gres))
+        if cores.isdigit():
+            shapes.add((int(cores), gpus))
+    return shapes
 
 
 def _default_partition() -> str:

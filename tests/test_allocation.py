@@ -254,6 +254,13 @@ def test_request_defaults_to_whole_nodes() -> None:
     assert len(a.nodes) == 2 and a.nodes[0].gpus == ("0", "1", "2", "3") and a.nodes[0].cores == 32
 
 
+def test_part_of_a_gpu_node_brings_the_same_part_of_cores_and_memory() -> None:
+    a = Allocation.from_request(load_site("slurm-gpu"), gpus_per_node=1)
+    assert a.nodes[0].cores == 8 and a.nodes[0].memory == 64 * GIB and a.nodes[0].gpus == ("0",)
+    b = Allocation.from_request(load_site("slurm-gpu"), gpus_per_node=2, cores_per_node=32)
+    assert b.nodes[0].cores == 32 and b.nodes[0].memory == 128 * GIB
+
+
 @pytest.mark.parametrize(
     "request_, message",
     [

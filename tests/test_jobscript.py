@@ -72,7 +72,7 @@ def test_slurm_gpu_type_account_qos_and_site_directives() -> None:
     custom = site("slurm-gpu").model_copy(update={"account": "proj", "directives": ["--constraint=ib", "--exclusive"]})
     text = render(spec_for(custom, gpus_per_node=2, qos="high"))
     d = directives(text, "#SBATCH")
-    assert "--gres=gpu:a100:2" in d and "--ntasks-per-node=2" in d and "--cpus-per-task=16" in d
+    assert "--gres=gpu:a100:2" in d and "--ntasks-per-node=2" in d and "--cpus-per-task=8" in d and "--mem=131072M" in d  # half the GPUs: half the node
     assert "--account=proj" in d and "--qos=high" in d
     assert d[-2:] == ["--constraint=ib", "--exclusive"]  # the site's lines come last, verbatim
 
