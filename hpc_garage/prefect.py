@@ -19,7 +19,7 @@ import os
 import socket
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import dask
@@ -30,13 +30,16 @@ from hpc_garage.errors import UserError
 from hpc_garage.handoff import handoff_from_env
 from hpc_garage.tags import resources_from_tags
 
-__all__ = ["HpcTaskRunner", "task_runner"]
+if TYPE_CHECKING:
+    from hpc_garage.site import Site
+
+__all__ = ["HpcTaskRunner", "task_runner", "worker_resources"]
 
 SITE_ENV = "HPC_GARAGE_SITE"
 LOCAL_CLUSTER = "hpc_garage.launchers.local.LocalSiteCluster"
 
 
-def task_runner(*, site: str | None = None, **kwargs: Any) -> HpcTaskRunner:
+def task_runner(*, site: str | Site | None = None, **kwargs: Any) -> HpcTaskRunner:
     """The runner for wherever this flow runs; keyword arguments go to DaskTaskRunner.
 
     It is built when the flow is decorated, before the flow's first API call: the only moment at which
@@ -92,16 +95,30 @@ class HpcTaskRunner(DaskTaskRunner):
         key = frozenset(resources.items())
         if key in self._placeable or self.adapt_kwargs:  # an adaptive cluster may grow the worker later
             return
-        workers = self.client.scheduler_info(n_workers=-1)["workers"].values()
-        offered = [w.get("resources", {}) for w in workers]
+        offered = _offered(self.client)
         if not any(all(have.get(k, 0) >= v for k, v in resources.items()) for have in offered):
-            kinds = sorted({f"{k}={v:g}" for have in offered for k, v in have.items()}) or ["none"]
+            kinds = sorted({_describe(have) for have in offered if have}) or ["nothing"]
             raise UserError(
                 f"task {task.name!r} asks for {_describe(resources)} but no worker of this cluster has that "
-                f"(workers offer {', '.join(kinds)}); fix the task's dask-resource: tags or use a site whose "
+                f"(workers offer {'; '.join(kinds)}); fix the task's dask-resource: tags or use a site whose "
                 f"workers hold it (HPC_GARAGE_SITE, `hpc-garage show`)"
             )
         self._placeable.add(key)
+
+
+def worker_resources() -> list[dict[str, float]]:
+    """Each worker's resources, from inside a running flow: e.g. to drop GPU tags where no worker has one."""
+    from prefect.context import FlowRunContext
+
+    context = FlowRunContext.get()
+    runner = context.task_runner if context else None
+    if not isinstance(runner, DaskTaskRunner):
+        raise UserError("worker_resources() works inside a flow run whose task runner is hpc_garage.task_runner()")
+    return _offered(runner.client)
+
+
+def _offered(client: Any) -> list[dict[str, float]]:
+    return [dict(w.get("resources") or {}) for w in client.scheduler_info(n_workers=-1)["workers"].values()]
 
 
 def task_resources(task: Any) -> dict[str, float]:
@@ -174,4 +191,7 @@ def _is_main_guard(node: ast.stmt) -> bool:
 
 
 def _describe(resources: dict[str, float]) -> str:
-    return ", ".join(f"{k}={v:g}" for k, v in sorted(resources.items()))
+    from hpc_garage.units import format_bytes
+
+    return ", ".join(f"{k}={format_bytes(v).replace(' ', '')}" if k == "MEMORY" else f"{k}={v:g}"
+                     for k, v in sorted(resources.items()))

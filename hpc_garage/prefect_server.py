@@ -39,7 +39,8 @@ from hpc_garage.handoff import write_private
 
 LOOPBACK = "127.0.0.1"
 QUIET = {"DO_NOT_TRACK": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-START_TIMEOUT = 120.0  # a fresh database takes 14–17 s to migrate here; shared file systems are slower
+START_TIMEOUT = 120.0  # a fresh database takes 11–17 s to migrate here; shared file systems are slower
+REUSE_PATIENCE = 10.0  # a busy server on a loaded login node is slow, not dead: never replace it hastily
 
 _children: dict[int, subprocess.Popen[bytes]] = {}  # servers started by this process, to see early exits
 
@@ -90,7 +91,7 @@ def ensure_server(host: str = LOOPBACK, *, timeout: float = START_TIMEOUT) -> Se
     directory = state_dir(host)
     with _locked(directory / "lock"):
         state = _read_state(directory)
-        if state is not None and _pid_alive(state.pid) and _answers(state):
+        if state is not None and _pid_alive(state.pid) and _answers(state, patience=REUSE_PATIENCE):
             return state
         if state is not None:
             _terminate(state)  # dead, hung, or answering to another auth string: replace it
@@ -144,8 +145,7 @@ def _start(directory: Path, host: str, timeout: float) -> ServerState:
     command = [sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port", str(port),
                "--no-ui", "--analytics-off"]
     log = directory / "server.log"
-    with open(log, "wb") as out:
-        os.chmod(log, 0o600)
+    with os.fdopen(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as out:
         process = subprocess.Popen(command, env=env, cwd=directory, stdin=subprocess.DEVNULL, stdout=out,
                                    stderr=subprocess.STDOUT, start_new_session=True)
     _children[process.pid] = process
@@ -180,16 +180,24 @@ def _url_host(host: str) -> str:
 # ------------------------------------------------------------------------------------------- inspecting
 
 
-def _answers(state: ServerState, timeout: float = 2.0) -> bool:
-    """Healthy and accepting our auth string (health alone would also pass for a stranger on the port)."""
+def _answers(state: ServerState, patience: float = 0.0) -> bool:
+    """Up and accepting our auth string (health alone would also pass for a stranger on the port)."""
     token = base64.b64encode(state.auth.encode()).decode()
     request = urllib.request.Request(f"{state.url}/admin/version", headers={"Authorization": f"Basic {token}"})
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never via a site's http_proxy
-    try:
-        with opener.open(request, timeout=timeout) as response:
-            return bool(response.status == 200)
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            with opener.open(request, timeout=2) as response:
+                return bool(response.status == 200)
+        except urllib.error.HTTPError as exc:
+            if exc.code in (401, 403, 404):
+                return False  # it answered, and refused us: another auth string, or not a Prefect server
+        except (urllib.error.URLError, OSError, ValueError):
+            pass
+        if time.monotonic() >= deadline or not _pid_alive(state.pid):
+            return False
+        time.sleep(0.5)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -215,17 +223,17 @@ def _is_our_server(state: ServerState) -> bool:
 
 def _terminate(state: ServerState, grace: float = 10.0) -> bool:
     """Stop the server's whole session (uvicorn and any children); False if it was not running."""
-    if not (_pid_alive(state.pid) and _is_our_server(state)):
-        return False
-    os.killpg(state.pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while _pid_alive(state.pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    if _pid_alive(state.pid):
-        os.killpg(state.pid, signal.SIGKILL)
+    running = _pid_alive(state.pid) and _is_our_server(state)
+    if running:
+        os.killpg(state.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while _pid_alive(state.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if _pid_alive(state.pid):
+            os.killpg(state.pid, signal.SIGKILL)
     if (child := _children.pop(state.pid, None)) is not None:
-        child.wait(timeout=5)
-    return True
+        child.wait(timeout=5)  # reap it
+    return running
 
 
 def _read_state(directory: Path) -> ServerState | None:

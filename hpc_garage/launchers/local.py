@@ -114,8 +114,8 @@ def _spec_cluster_class() -> type:
                      env: dict[str, str] | None = None, **kwargs: Any) -> None:
             if not isinstance(site, Site):
                 site = load_site(site or os.environ.get("HPC_GARAGE_SITE") or "local")
-            self.plan, self.notes = local_plan(site)
-            scheduler, workers = cluster_specs(self.plan.workers, security=security, env=env,
+            self.site_plan, self.notes = local_plan(site)  # SpecCluster already has a `plan`
+            scheduler, workers = cluster_specs(self.site_plan.workers, security=security, env=env,
                                                local_directory=site.local_directory_path())
             super().__init__(workers=workers, scheduler=scheduler, security=security,
                              name=f"hpc-garage-{site.name}", **kwargs)

@@ -1,0 +1,132 @@
+"""One Prefect API per job: the user's when configured, else one shared, authenticated hpc-garage server."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from hpc_garage import prefect_server
+from hpc_garage.errors import UserError
+from hpc_garage.prefect_server import configured_api_url, ensure_api, server_status, state_dir, stop_server
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A private HOME and no Prefect configuration from the machine running the tests."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for name in ("PREFECT_API_URL", "PREFECT_PROFILE", "PREFECT_HOME", "PREFECT_PROFILES_PATH",
+                 "PREFECT_API_AUTH_STRING"):
+        monkeypatch.delenv(name, raising=False)
+    return tmp_path
+
+
+def get(url: str, auth: str | None = None) -> int:
+    request = urllib.request.Request(url)
+    if auth:
+        request.add_header("Authorization", "Basic " + base64.b64encode(auth.encode()).decode())
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_the_users_api_wins_and_nothing_is_started(home: Path) -> None:
+    env = {"PREFECT_API_URL": "http://prefect.example:4200/api", "HOME": str(home)}
+    assert ensure_api(env=env) == {"PREFECT_API_URL": "http://prefect.example:4200/api"}
+    assert not (home / ".hpc-garage").exists()
+
+
+def test_the_active_profile_counts_as_configured(home: Path) -> None:
+    prefect_home = home / ".prefect"
+    prefect_home.mkdir()
+    (prefect_home / "profiles.toml").write_text(
+        'active = "mine"\n[profiles.mine]\nPREFECT_API_URL = "http://mine:4200/api"\n')
+    assert configured_api_url({}) == "http://mine:4200/api"
+    assert configured_api_url({"PREFECT_PROFILE": "local"}) == "http://127.0.0.1:4200/api"  # Prefect's own
+    assert configured_api_url({"PREFECT_PROFILE": "ephemeral"}) is None
+    assert ensure_api(env={}) == {"PREFECT_API_URL": "http://mine:4200/api"}
+
+
+@pytest.mark.slow
+def test_one_server_shared_reused_authenticated_and_stopped(home: Path) -> None:
+    # two processes at once: the lock makes them share one server
+    code = "import json; from hpc_garage.prefect_server import ensure_api; print(json.dumps(ensure_api()))"
+    callers = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    envs = [json.loads(p.communicate(timeout=180)[0]) for p in callers]
+    assert envs[0] == envs[1]
+    env = envs[0]
+    state = json.loads((state_dir() / "server.json").read_text())
+    assert env == {"PREFECT_API_URL": state["url"], "PREFECT_API_AUTH_STRING": state["auth"],
+                   "DO_NOT_TRACK": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    directory = home / ".hpc-garage" / "prefect" / os.uname().nodename.split(".")[0]
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    assert stat.S_IMODE((directory / "server.json").stat().st_mode) == 0o600
+    assert (directory / "home").is_dir()  # its own PREFECT_HOME: migrations happen once
+
+    url, auth = env["PREFECT_API_URL"], env["PREFECT_API_AUTH_STRING"]
+    assert get(f"{url}/health") == 200
+    assert get(f"{url}/admin/version") == 401  # Prefect 3.8 enforces the auth string
+    assert get(f"{url}/admin/version", "hpc-garage:wrong") == 401
+    assert get(f"{url}/admin/version", auth) == 200
+
+    started = time.monotonic()
+    assert ensure_api() == env  # reused, not restarted
+    assert time.monotonic() - started < 1
+
+    # a server that died is replaced; the state file follows
+    os.kill(state["pid"], signal.SIGKILL)
+    while prefect_server._pid_alive(state["pid"]):
+        time.sleep(0.05)
+    replaced = ensure_api()
+    assert replaced["PREFECT_API_URL"] != url or replaced["PREFECT_API_AUTH_STRING"] != auth
+    status = server_status()
+    assert status["healthy"] and status["url"] == replaced["PREFECT_API_URL"] and "auth" not in status
+
+    assert stop_server() is True
+    assert server_status()["running"] is False
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"{replaced['PREFECT_API_URL']}/health", timeout=2)
+    assert stop_server() is False
+
+
+@pytest.fixture
+def fake_python(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, home: Path):  # noqa: ANN201
+    """An interpreter whose `-m prefect server start` misbehaves as the test says."""
+
+    def make(body: str) -> Path:
+        script = tmp_path / "fake-python"
+        script.write_text(f"#!/bin/sh\n{body}\n")
+        script.chmod(0o755)
+        monkeypatch.setattr(sys, "executable", str(script))
+        return script
+
+    return make
+
+
+def test_a_server_that_exits_is_reported_with_its_log(fake_python) -> None:  # noqa: ANN001
+    fake_python('echo "starting"; echo "OSError: [Errno 98] address already in use"; exit 3')
+    with pytest.raises(UserError) as caught:
+        ensure_api()
+    message = str(caught.value)
+    assert "exited with code 3" in message and "address already in use" in message
+    assert "\n" not in message
+    assert not (state_dir() / "server.json").exists()
+
+
+def test_a_server_that_never_answers_is_stopped(fake_python) -> None:  # noqa: ANN001
+    fake_python('echo "hanging"; sleep 600')
+    with pytest.raises(UserError, match="did not answer within 1 s.*hanging"):
+        ensure_api(timeout=1)
+    assert not prefect_server._children  # killed and reaped, not left behind
