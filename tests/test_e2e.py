@@ -80,3 +80,17 @@ def test_two_nodes_two_gpus_each_run_experiments_on_both(tmp_path: Path) -> None
     by_gpu = check_placement(summary, gpus=True)
     assert len(summary["workers"]) == 4
     assert {node.rsplit("-", 1)[-1] for node, _ in by_gpu} == {"n0", "n1"}
+
+
+def test_garage_guides_four_tag_task_is_placed_on_workers_that_hold_it(tmp_path: Path) -> None:
+    import ast
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "PBS_", "HPC_GARAGE"))}
+    done = subprocess.run([PY, str(SWEEP.parent / "garage_tags.py")], capture_output=True, text=True, cwd=tmp_path,
+                          env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [ast.literal_eval(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(records) == 4
+    for r in records:
+        res = r["resources"]
+        assert res["GPU"] >= 1 and res["CPU"] >= 18 and res["MEMORY"] >= 10e9 and res["PROCESS"] >= 1
