@@ -309,6 +309,29 @@ def logs(job_id: str, follow: bool, site_name: str | None) -> None:
         sys.exit(130)
 
 
+@cli.group()
+def server() -> None:
+    """The Prefect server hpc-garage starts and shares with every worker (one per user and host)."""
+
+
+@server.command("status")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address the server listens on.")
+def server_status(host: str) -> None:
+    """Say whether the shared Prefect server runs, and where."""
+    from hpc_garage.prefect_server import server_status as status
+
+    click.echo(json.dumps(status(host), indent=2))
+
+
+@server.command("stop")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address the server listens on.")
+def server_stop(host: str) -> None:
+    """Stop the shared Prefect server (runs start it again when they need it)."""
+    from hpc_garage.prefect_server import stop_server
+
+    click.echo("stopped" if stop_server(host) else "no hpc-garage Prefect server was running there")
+
+
 def main(argv: list[str] | None = None) -> None:
     cli.main(args=argv, prog_name="hpc-garage")
 
