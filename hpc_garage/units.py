@@ -12,6 +12,12 @@ import re
 _SLURM_SUFFIX = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP])\s*$", re.IGNORECASE)
 _PBS_SUFFIX = re.compile(r"^\s*(\d+)\s*([kmgtp])b\s*$")  # lower case, as PBS writes mem=2gb
 _BINARY = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40, "p": 2**50}
+_SIZE = re.compile(r"^(\d+(?:\.\d*)?(?:[eE][+-]?\d+)?)\s*([KMGTP]i?B?|B)?$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1} | {
+    f"{p}{suffix}": (1000 ** (i + 1) if suffix in ("b",) else 2 ** (10 * (i + 1)))
+    for i, p in enumerate("kmgtp")
+    for suffix in ("b", "ib", "i")
+}
 _CLOCK = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
 
 
@@ -31,15 +37,10 @@ def parse_memory(value: str | int | float, *, bare: str | None = "MiB") -> int:
         return int(float(m.group(1)) * _BINARY[m.group(2).lower()])
     if m := _PBS_SUFFIX.match(text):
         return int(m.group(1)) * _BINARY[m.group(2)]  # PBS: 'gb' means GiB
-    from dask.utils import parse_bytes
-
-    try:
-        size = parse_bytes(text) if re.match(r"^\d", text) else -1
-    except (ValueError, KeyError, TypeError):
-        size = -1
-    if size < 0:
-        raise ValueError(f"{text!r} is not a memory size; write e.g. '64GiB', '64GB' or '64G'")
-    return int(size)
+    if m := _SIZE.match(text):  # dask.utils.parse_bytes' own units, without the ~180 ms `import dask`
+        size = float(m.group(1)) * _UNITS[(m.group(2) or "").lower()]
+        return int(size)
+    raise ValueError(f"{text!r} is not a memory size; write e.g. '64GiB', '64GB' or '64G'")
 
 
 def parse_walltime(value: str | int | float) -> int:

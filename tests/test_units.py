@@ -59,3 +59,18 @@ def test_bad_walltime(bad: str) -> None:
 @given(st.integers(min_value=1, max_value=10**7))
 def test_walltime_round_trip(seconds: int) -> None:
     assert parse_walltime(format_walltime(seconds)) == seconds
+
+
+@pytest.mark.parametrize("text", ["64GB", "64GiB", "512 MiB", "1.5 TB", "64e9", "100B", "2KiB", "3Gi", "7 kB", "1PiB"])
+def test_units_agree_with_dask_where_scheduler_conventions_do_not_apply(text: str) -> None:
+    from dask.utils import parse_bytes
+
+    assert parse_memory(text) == int(parse_bytes(text))
+
+
+def test_memory_parsing_does_not_import_dask() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys; from hpc_garage.units import parse_memory; parse_memory('64GiB'); print('dask' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
