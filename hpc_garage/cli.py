@@ -104,15 +104,30 @@ def sites(as_json: bool) -> None:
 @click.option("--time", "-t", "walltime", callback=_walltime, help="Walltime: 01:30:00, 1-00:00:00, 90 (minutes), 2h.")
 @click.option("--json", "as_json", is_flag=True, help="Print exactly one JSON object.")
 @click.option("--script", "as_script", is_flag=True, help="Print the job script `submit` would render instead.")
+@click.option("--worker-script", is_flag=True, help="Jobqueue sites: print each pool's worker job script.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, metavar="[SCRIPT [ARGS]...]")
-def show(site_name: str, as_json: bool, as_script: bool, command: tuple[str, ...], **request: Any) -> None:
+def show(site_name: str, as_json: bool, as_script: bool, worker_script: bool, command: tuple[str, ...],
+         **request: Any) -> None:
     """Show the workers a site and allocation give, and the resource math behind them.
 
     Inside a job (SLURM or PBS variables set) and without request flags, the job's own allocation is used.
     With --script, print the job script `hpc-garage submit` would render for SCRIPT (a placeholder if none).
+    Jobqueue sites show one worker job per pool; --worker-script prints the scripts of those jobs.
     """
+    if worker_script:
+        from hpc_garage.launchers.jobqueue import worker_scripts_for
+
+        click.echo(worker_scripts_for(site_name), nl=False)
+        return
     if as_script or command:
         _show_script(site_name, as_script, command, request)
+        return
+    from hpc_garage.site import load_site
+
+    if load_site(site_name).launcher == "jobqueue":
+        from hpc_garage.pools import show_pools
+
+        click.echo(show_pools(site_name, as_json=as_json, **request))
         return
     from hpc_garage.planning import plan_for
 
@@ -134,7 +149,7 @@ def run(site_name: str | None, insecure: bool, timeout: float, command: tuple[st
     """Start a Dask cluster for this job, run COMMAND against it, tear it down.
 
     Inside a SLURM/PBS job the workers are MPI ranks across the allocation; elsewhere a local cluster shaped
-    like one node of the site. COMMAND finds the cluster through $HPC_GARAGE_SCHEDULER_FILE, and this
+    like one node of the site; on jobqueue sites, worker jobs submitted and cancelled as the work needs. COMMAND finds the cluster through $HPC_GARAGE_SCHEDULER_FILE, and this
     command exits with COMMAND's exit code.
     """
     import os
@@ -166,9 +181,18 @@ def _submit_prepared(prepared: Any, dry_run: bool, wait: bool) -> None:
     """Print the script (--dry-run), or submit and say where the job and its log are; --wait follows it."""
     for line in prepared.plan.leftovers:
         click.echo(f"note: unused: {line}", err=True)
+    jobqueue = prepared.site.launcher == "jobqueue"
     if dry_run:
         click.echo(prepared.script, nl=False)
+        if jobqueue:  # and the worker jobs the driver will submit
+            from hpc_garage.launchers.jobqueue import worker_scripts
+
+            click.echo(worker_scripts(prepared.site), nl=False)
         return
+    if jobqueue and prepared.site.jobqueue.driver == "login":
+        from hpc_garage.launchers.jobqueue import drive_here
+
+        sys.exit(drive_here(prepared))
     from hpc_garage import submission
 
     done = submission.submit(prepared)

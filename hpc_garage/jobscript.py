@@ -110,7 +110,16 @@ def job_spec(
     """Check a request against the site (limits, layout) and resolve it into a JobSpec, with its plan.
 
     `cores_per_worker` is sbatch's `-c` (a task is a worker): the node's cores become c × workers per node.
+    A jobqueue site's job is its driver (see `driver_job_spec`).
     """
+    if site.launcher == "jobqueue":
+        from hpc_garage.pools import refuse_request
+
+        refuse_request(site, {"nodes": nodes, "gpus_per_node": gpus_per_node, "cores_per_node": cores_per_node,
+                              "cores_per_worker": cores_per_worker, "memory": memory, "gpu_type": gpu_type})
+        return driver_job_spec(site, script=script, args=args, output=output, workdir=workdir, python=python,
+                               error=error, walltime=walltime, account=account, qos=qos, queue=queue,
+                               job_name=job_name, extra_directives=extra_directives)
     if cores_per_worker is not None:
         if cores_per_node is not None:
             raise UserError("give either --cores-per-node or -c/--cpus-per-task (cores per worker), not both")
@@ -149,6 +158,57 @@ def job_spec(
     )
     render(spec)  # every value checked now, before anything is created or submitted
     return spec, plan_
+
+
+def driver_job_spec(
+    site: Site,
+    *,
+    script: str,
+    args: Sequence[str],
+    output: str,
+    workdir: str,
+    python: str,
+    error: str | None,
+    walltime: int | None,
+    account: str | None,
+    qos: str | None,
+    queue: str | None,
+    job_name: str | None,
+    extra_directives: Sequence[str],
+) -> tuple[JobSpec, Plan]:
+    """The driver job of a jobqueue site: one small task that runs `hpc-garage run` (the scheduler and the
+    script), which submits the worker jobs. Its plan is the first pool's worker job, for the notes."""
+    from hpc_garage.pools import job_shapes
+
+    jq = site.jobqueue
+    allocation = Allocation.from_request(site, nodes=1, gpus_per_node=0, cores_per_node=jq.driver_cores,
+                                         memory=jq.driver_memory, walltime=walltime)
+    spec = JobSpec(
+        scheduler=site.scheduler,
+        site=str(site.path.resolve()) if site.path else site.name,
+        site_name=site.name,
+        job_name=job_name_for(job_name, script),
+        nodes=1,
+        tasks_per_node=1,
+        cpus_per_task=jq.driver_cores,
+        gpus_per_node=0,
+        gpu_type=None,
+        memory=jq.driver_memory,
+        walltime=allocation.walltime or site.walltime,
+        queue=queue or site.queue,
+        account=account or site.account,
+        qos=qos or site.qos,
+        output=output,
+        error=error,
+        directives=(*jq.driver_directives, *extra_directives),
+        setup=tuple(site.setup),
+        workdir=workdir,
+        python=python,
+        script=script,
+        args=tuple(args),
+    )
+    render(spec)
+    return spec, next(iter(job_shapes(site).values())).plan
 
 
 def _cores_for(site: Site, per_worker: int, **request: int | None) -> int:

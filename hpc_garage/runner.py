@@ -1,7 +1,8 @@
 """`hpc-garage run -- COMMAND`: bring a Dask cluster up for this job, hand it to COMMAND, take it down.
 
 Inside a SLURM or PBS job the workers are MPI ranks across the allocation; on a login node they are local
-processes shaped like one node of the site. Either way the scheduler runs here, in this process (so it never
+processes shaped like one node of the site; on a `launcher: jobqueue` site they are worker jobs of their own
+(launchers/jobqueue.py), wherever `run` runs. Either way the scheduler runs here, in this process (so it never
 takes a GPU worker's place), every worker must register before COMMAND starts, COMMAND finds the cluster
 through $HPC_GARAGE_SCHEDULER_FILE, and `run` exits with COMMAND's exit code.
 """
@@ -57,7 +58,14 @@ def run(site: Site, command: list[str], *, insecure: bool = False, timeout: floa
         raise UserError("no COMMAND given; write it after --, e.g. `hpc-garage run -- python sweep.py`")
     if shutil.which(command[0], path=env.get("PATH")) is None and not os.path.exists(command[0]):
         raise UserError(f"{command[0]!r}: command not found; check the command after --")
-    if site.scheduler != "local" and in_batch_job(env):
+    if site.launcher == "jobqueue":
+        from hpc_garage.launchers.jobqueue import JobqueueLauncher, run_plan
+
+        job_id = str(env["SLURM_JOB_ID" if "SLURM_JOB_ID" in env else "PBS_JOBID"]) if in_batch_job(env) \
+            else f"local-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        plan_, notes = run_plan(site)
+        launcher = JobqueueLauncher(site, job_id)
+    elif site.scheduler != "local" and in_batch_job(env):
         allocation = Allocation.from_env(site, env)
         plan_ = plan(site, allocation)
         from hpc_garage.launchers.mpi import MpiLauncher
@@ -77,7 +85,10 @@ def run(site: Site, command: list[str], *, insecure: bool = False, timeout: floa
     if insecure:
         say("--insecure: the cluster speaks plain tcp; anyone who can reach its ports can run code in it")
     rundir = RunDir.for_job(site.run_directory, job_id).create()
-    return asyncio.run(_serve(site, plan_, launcher, rundir, job_id, command, env, insecure, timeout))
+    try:
+        return asyncio.run(_serve(site, plan_, launcher, rundir, job_id, command, env, insecure, timeout))
+    finally:
+        launcher.abandon()
 
 
 async def _serve(site: Site, plan_: Plan, launcher: Launcher, rundir: RunDir, job_id: str,
@@ -94,6 +105,7 @@ async def _serve(site: Site, plan_: Plan, launcher: Launcher, rundir: RunDir, jo
                           protocol="tls" if tls else "tcp", scheduler_file=str(rundir.dask_scheduler_file),
                           **launcher.scheduler_host)
     code: int | None = None
+    interrupted = _stop_on_signals()
     try:
         await scheduler
         api_env = _prefect_api(scheduler.address)
@@ -106,10 +118,16 @@ async def _serve(site: Site, plan_: Plan, launcher: Launcher, rundir: RunDir, jo
                           prefect_api_url=api_env.get("PREFECT_API_URL"), workers=expected, site=site.name)
         path = rundir.publish(handoff)
         child_env = {**env, **api_env, SCHEDULER_FILE_ENV: str(path), JOB_ID_ENV: job_id,
-                     RUN_DIR_ENV: str(rundir.path), SITE_ENV: site.name}
+                     RUN_DIR_ENV: str(rundir.path), SITE_ENV: site.name, **launcher.command_env}
         state("running", workers=len(expected))
         code = await _run_command(command, child_env)
+    except asyncio.CancelledError:
+        if not interrupted:
+            raise
+        say(f"signal {interrupted[0]} before COMMAND started: tearing down")
     finally:
+        _on_signals(lambda sig: say(f"signal {sig} ignored: tearing down (stopping workers, cancelling jobs)"))
+        launcher.draining()
         for name in ("scheduler.json", "dask-scheduler.json", "tls", "ranks.json"):
             target = rundir.path / name
             shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
@@ -117,7 +135,28 @@ async def _serve(site: Site, plan_: Plan, launcher: Launcher, rundir: RunDir, jo
         await scheduler.close(reason="hpc-garage run: command finished")
         await launcher.stop()
         state("done" if code is not None else "failed", exit_code=code)
-    return code if code is not None else 1
+    return code if code is not None else 128 + interrupted[0] if interrupted else 1
+
+
+def _on_signals(handler: Any) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, handler, sig)
+
+
+def _stop_on_signals() -> list[int]:
+    """Until COMMAND runs, SIGINT/SIGTERM stop the start-up and tear down what was started (workers, worker
+    jobs); while it runs they go to COMMAND; during teardown they are ignored, so teardown completes."""
+    main = asyncio.current_task()
+    received: list[int] = []
+
+    def stop(sig: int) -> None:
+        received.append(sig)
+        if main is not None:
+            main.cancel()
+
+    _on_signals(stop)
+    return received
 
 
 async def _retire(scheduler: Any) -> None:
@@ -172,11 +211,7 @@ async def _run_command(command: list[str], env: dict[str, str]) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, forward, sig)
-    try:
-        code = await proc.wait()
-    finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
+    code = await proc.wait()  # the handlers stay until teardown installs its own: no moment without one
     return 128 - code if code < 0 else code  # killed by signal N: 128+N, as shells report it
 
 

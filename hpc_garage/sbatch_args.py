@@ -273,7 +273,7 @@ def site_for(call: SbatchCall) -> str:
             site = load_site(path)
         except UserError:
             continue
-        if site.scheduler == "slurm" and site.queue:
+        if site.scheduler == "slurm" and site.queue and site.launcher == "mpi":  # sbatch options shape one allocation
             by_queue.setdefault(site.queue, []).append(name)
     matches = by_queue.get(partition, [])
     if len(matches) > 1:  # several sites name this partition: keep those shaped like its real nodes

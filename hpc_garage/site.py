@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from hpc_garage.errors import SiteError
 from hpc_garage.units import parse_memory, parse_walltime
@@ -39,8 +39,14 @@ def _node_memory(value: Any) -> int:
     return _memory(value)
 
 
+def _walltime_or_zero(value: Any) -> int:
+    return 0 if value in (0, "0") else parse_walltime(value)
+
+
 Bytes = Annotated[int, BeforeValidator(_memory), Field(ge=0)]
 Seconds = Annotated[int, BeforeValidator(_walltime), Field(gt=0)]
+SecondsOrZero = Annotated[int, BeforeValidator(_walltime_or_zero), Field(ge=0)]
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 
 
 class _Strict(BaseModel):
@@ -88,6 +94,77 @@ class MpiSettings(_Strict):
     mpiexec_args: list[str] = Field(default_factory=list)
 
 
+class JobqueueSettings(_Strict):
+    """How the jobqueue launcher shapes and scales worker jobs: one job is one node, or one GPU slice of one.
+
+    Scaling is fixed (`jobs`) or adaptive (`minimum_jobs`..`maximum_jobs`); nothing given means one fixed job.
+    `max_jobs_in_queue` caps queued + running worker jobs whatever the demand: centres that allow a handful
+    ban accounts that submit hundreds.
+    """
+
+    jobs: int | None = Field(None, ge=0)  # fixed number of worker jobs
+    minimum_jobs: int | None = Field(None, ge=0)  # adaptive: never fewer ...
+    maximum_jobs: int | None = Field(None, gt=0)  # ... and never more
+    max_jobs_in_queue: int = Field(4, gt=0)  # queued + running worker jobs of a run (of a pool, per pool)
+    gpus_per_job: int | None = Field(None, ge=0)  # default: every GPU of the node
+    cores_per_job: int | None = Field(None, gt=0)  # default: the GPUs' share of the node, or all of it
+    memory_per_job: Bytes | None = None  # default: the GPUs' share of the node, or all of it
+    idle_timeout: Seconds = 60  # adaptive: a worker job idle this long is cancelled
+    lifetime_margin: Seconds | None = None  # workers retire this long before the walltime (default 5%, >= 60 s)
+    lifetime_stagger: SecondsOrZero | None = None  # spread of the retirements (default 5% of the walltime)
+    death_timeout: Seconds = 60  # a worker that cannot reach the scheduler this long exits, ending its job
+    driver: Literal["job", "login"] = "job"  # where `submit` runs the driver (`hpc-garage run`)
+    driver_cores: int = Field(1, gt=0)
+    driver_memory: Bytes = 2 * 2**30
+    driver_directives: list[str] = Field(default_factory=list)  # extra #SBATCH/#PBS lines of the driver job
+    untagged: bool | None = None  # written per pool as `untagged:`: may tasks without resource tags run here?
+
+    @model_validator(mode="after")
+    def _scaling(self) -> JobqueueSettings:
+        adaptive = self.minimum_jobs is not None or self.maximum_jobs is not None
+        if self.jobs is not None and adaptive:
+            raise ValueError("jobqueue: give either jobs (fixed) or minimum_jobs/maximum_jobs (adaptive), not both")
+        if adaptive and self.minimum_jobs is not None and self.maximum_jobs is not None \
+                and self.minimum_jobs > self.maximum_jobs:
+            raise ValueError(f"jobqueue.minimum_jobs ({self.minimum_jobs}) exceeds maximum_jobs ({self.maximum_jobs})")
+        for key in ("jobs", "minimum_jobs", "maximum_jobs"):
+            value = getattr(self, key)
+            if value is not None and value > self.max_jobs_in_queue:
+                raise ValueError(f"jobqueue.{key} ({value}) exceeds max_jobs_in_queue ({self.max_jobs_in_queue}); "
+                                 "lower it, or raise max_jobs_in_queue if the centre allows that many jobs")
+        return self
+
+    @property
+    def adaptive(self) -> bool:
+        return self.jobs is None and (self.minimum_jobs is not None or self.maximum_jobs is not None)
+
+    @property
+    def bounds(self) -> tuple[int, int]:
+        """(fewest, most) worker jobs: equal for fixed scaling."""
+        if not self.adaptive:
+            jobs = 1 if self.jobs is None else self.jobs
+            return jobs, jobs
+        return self.minimum_jobs or 0, self.maximum_jobs or self.max_jobs_in_queue
+
+
+class Pool(_Strict):
+    """One pool of a heterogeneous jobqueue site: what differs from the site (mappings merge key by key)."""
+
+    description: str = ""
+    queue: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    walltime: Any = None
+    node: dict[str, Any] | None = None
+    workers: dict[str, Any] | None = None
+    limits: dict[str, Any] | None = None
+    directives: list[str] | None = None
+    setup: list[str] | None = None
+    env: dict[str, str] | None = None
+    jobqueue: dict[str, Any] | None = None
+    untagged: bool | None = None  # may tasks without resource tags run here (default: pools without GPUs)
+
+
 class Site(_Strict):
     """One partition of one cluster, as hpc-garage sees it."""
 
@@ -110,7 +187,11 @@ class Site(_Strict):
     env: dict[str, str] = Field(default_factory=dict)  # exported to the rank launcher and every worker
     python: str | None = None  # interpreter inside jobs; default: the one that runs hpc-garage submit
     mpi: MpiSettings = MpiSettings()
+    jobqueue: JobqueueSettings = JobqueueSettings()  # launcher: jobqueue only
+    pools: dict[Annotated[str, Field(pattern=NAME_PATTERN)], Pool] = Field(default_factory=dict)
     path: Path | None = Field(None, exclude=True)  # where the file was found; not a YAML key
+    _raw: dict[str, Any] = PrivateAttr(default_factory=dict)  # the keys as written: pools merge onto these
+    _pool_sites: dict[str, Site] = PrivateAttr(default_factory=dict)
 
     @model_validator(mode="after")
     def _consistent(self) -> Site:
@@ -124,7 +205,102 @@ class Site(_Strict):
             )
         if self.limits.max_walltime is not None and self.walltime > self.limits.max_walltime:
             raise ValueError("walltime exceeds limits.max_walltime; shorten walltime")
+        if self.pools and self.launcher != "jobqueue":
+            raise ValueError("pools are for launcher: jobqueue; set launcher: jobqueue or remove pools")
+        if self.launcher == "jobqueue":
+            self._check_jobqueue()
         return self
+
+    def _check_jobqueue(self) -> None:
+        jq = self.jobqueue
+        if self.scheduler == "local":
+            raise ValueError("launcher: jobqueue submits worker jobs; use scheduler: slurm or pbs")
+        if jq.gpus_per_job is not None and jq.gpus_per_job > self.node.gpus:
+            raise ValueError(f"jobqueue.gpus_per_job ({jq.gpus_per_job}) exceeds node.gpus ({self.node.gpus})")
+        if jq.gpus_per_job == 0 and self.workers.per == "gpu":
+            raise ValueError("jobqueue.gpus_per_job is 0 but workers.per is 'gpu'; give jobs GPUs or use per: node")
+        if jq.cores_per_job is not None and jq.cores_per_job > self.node.cores:
+            raise ValueError(f"jobqueue.cores_per_job ({jq.cores_per_job}) exceeds node.cores ({self.node.cores})")
+        if jq.memory_per_job is not None and jq.memory_per_job > self.node.memory:
+            raise ValueError("jobqueue.memory_per_job exceeds node.memory; ask for less")
+        margin, stagger = self.lifetime_margin, self.lifetime_stagger
+        if margin + 2 * stagger >= self.walltime:
+            raise ValueError(f"jobqueue.lifetime_margin + 2 × lifetime_stagger ({margin + 2 * stagger} s) leaves "
+                             f"workers no time in a {self.walltime} s walltime; lower them or raise walltime")
+
+    @property
+    def lifetime_margin(self) -> int:
+        """Seconds before the walltime by which every worker has retired (jobqueue)."""
+        given = self.jobqueue.lifetime_margin
+        return given if given is not None else max(60, self.walltime // 20)
+
+    @property
+    def lifetime_stagger(self) -> int:
+        """Seconds by which worker lifetimes spread, so a job's workers do not all leave at once (jobqueue)."""
+        given = self.jobqueue.lifetime_stagger
+        return given if given is not None else self.walltime // 20
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _pools_merged(cls, data: Any, handler: Any) -> Site:
+        """Keep the keys as written and build one full Site per pool, so every error shows up at load time."""
+        site = handler(data)
+        if isinstance(data, dict):
+            site._raw = {k: v for k, v in data.items() if k != "path"}
+            site._pool_sites = {name: site._merged_pool(name, pool) for name, pool in site._raw_pools().items()}
+            if site.launcher == "jobqueue" and not site.untagged_pools():
+                raise ValueError("no pool takes tasks without resource tags (untagged: false everywhere); "
+                                 "set untagged: true on one pool")
+        return site
+
+    def _raw_pools(self) -> dict[str, dict[str, Any]]:
+        pools = self._raw.get("pools") or {}
+        return {name: dict(pool or {}) for name, pool in pools.items()} if isinstance(pools, dict) else {}
+
+    def _merged_pool(self, name: str, pool: dict[str, Any]) -> Site:
+        merged = {k: v for k, v in self._raw.items() if k != "pools"}
+        merged["name"] = f"{self.name}.{name}"
+        for key, value in pool.items():
+            if key == "untagged":
+                merged["jobqueue"] = {**(merged.get("jobqueue") or {}), "untagged": value}
+            elif key == "jobqueue" and isinstance(value, dict):
+                inherited = dict(merged.get("jobqueue") or {})
+                if SCALING_KEYS & value.keys():  # a pool's own scaling replaces the site's, as a whole
+                    inherited = {k: v for k, v in inherited.items() if k not in SCALING_KEYS}
+                merged["jobqueue"] = {**inherited, **value}
+            elif isinstance(value, dict) and isinstance(merged.get(key), dict):
+                merged[key] = {**merged[key], **value}
+            else:
+                merged[key] = value
+        try:
+            site = Site.model_validate({**merged, "path": self.path})
+        except ValidationError as exc:
+            raise ValueError(f"pools.{name}: {describe_validation_error(exc, Site)}") from None
+        return site
+
+    def pool_sites(self) -> dict[str, Site]:
+        """One full Site per pool of workers, so `layout()` works unchanged per pool.
+
+        A site without `pools:` is its own single pool, named after the site.
+        """
+        return dict(self._pool_sites) if self._pool_sites else {self.name: self}
+
+    def untagged_pools(self) -> set[str]:
+        """The pools where tasks without resource tags may run.
+
+        A pool says so with `untagged:`; by default pools without GPUs take them, and GPU pools only where
+        the site has no other kind, so a plain task never takes a GPU worker's slot unless the site allows it.
+        """
+        sites = self.pool_sites()
+        explicit = {name: s.jobqueue.untagged for name, s in sites.items()}
+        gpu_free = {name for name, s in sites.items() if not _job_gpus(s)}
+        default = gpu_free or set(sites)
+        return {name for name in sites if explicit[name] or (explicit[name] is None and name in default)}
+
+    @property
+    def raw(self) -> dict[str, Any]:
+        """The site's keys as written (YAML values, not parsed): what a worker job rebuilds the site from."""
+        return dict(self._raw)
 
     def local_directory_path(self) -> str | None:
         """`local_directory` expanded here; None (Dask's default) while a variable in it is unset, e.g. $TMPDIR."""
@@ -139,6 +315,14 @@ class Site(_Strict):
         return ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES") if self.node.gpu_vendor == "amd" else (
             "CUDA_VISIBLE_DEVICES",
         )
+
+
+SCALING_KEYS = {"jobs", "minimum_jobs", "maximum_jobs"}
+
+
+def _job_gpus(site: Site) -> int:
+    gpus = site.jobqueue.gpus_per_job
+    return site.node.gpus if gpus is None else gpus
 
 
 # ---------------------------------------------------------------------------------------------- loading
@@ -272,9 +456,17 @@ _FIXES = {
 
 
 def _fields_at(model: type[BaseModel], loc: list[str]) -> list[str]:
+    skip = False
     for name in loc:
+        if skip:  # the key of a `dict[str, Model]` (a pool's name)
+            skip = False
+            continue
         field = model.model_fields.get(name)
         annotation = getattr(field, "annotation", None)
+        args = getattr(annotation, "__args__", ())
+        if getattr(annotation, "__origin__", None) is dict and args and isinstance(args[-1], type) \
+                and issubclass(args[-1], BaseModel):
+            annotation, skip = args[-1], True
         if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
             return []
         model = annotation

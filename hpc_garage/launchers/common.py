@@ -64,6 +64,7 @@ class Launcher:
     """Starts a plan's workers against a running scheduler, says if they died, and stops them."""
 
     scheduler_host: dict[str, Any] = {"host": "127.0.0.1"}  # Scheduler(...) keywords: where it listens
+    command_env: dict[str, str] = {}  # exported to COMMAND besides the scheduler file
 
     async def start(self, address: str, tls: dict[str, str] | None, worker_env: dict[str, str],
                     rundir: Any) -> None:
@@ -73,8 +74,15 @@ class Launcher:
         """Why the workers cannot come up any more (their launcher exited), or None."""
         return None
 
+    def draining(self) -> None:
+        """Teardown begins: the workers are about to leave on purpose, so nothing may replace them."""
+
     async def stop(self) -> None:
         raise NotImplementedError
+
+    def abandon(self) -> None:
+        """Last resort once the event loop is gone (a teardown cut short): release what outlives this
+        process, such as batch jobs. Must be synchronous, quick, and safe to call after `stop`."""
 
 
 def security_from(tls: dict[str, str] | None) -> Any:

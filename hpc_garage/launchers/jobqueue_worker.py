@@ -1,0 +1,147 @@
+"""Inside one worker job of the jobqueue launcher: read the job's real allocation, start its pinned workers.
+
+dask-jobqueue runs this as the job's command (its `worker_command`):
+
+    python -m hpc_garage.launchers.jobqueue_worker tls://HOST:PORT --name gpu-3 ... --hpc-garage-plan FILE
+
+Its `--nthreads`/`--memory-limit`/`--nworkers` would give every process the same share and the same GPUs;
+here they are ignored. The job reads what it was actually given (`Allocation.from_env`: cores, memory and
+the GPU ids *this job* sees), lays it out with the pool's site exactly as `show` does, and starts one Nanny
+per WorkerSpec: its own CUDA_VISIBLE_DEVICES, OMP_NUM_THREADS, threads, memory limit and resources, the
+run's TLS credentials and Prefect API, and a `--lifetime` that ends before the job's walltime does. The
+workers are named `<job>-<k>` (or `<job>` alone), as dask-jobqueue's SpecCluster expects for its job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hpc_garage.allocation import Allocation
+from hpc_garage.errors import UserError
+from hpc_garage.launchers.mpi import node_gpus
+from hpc_garage.layout import WorkerSpec, pin_gpus, plan
+from hpc_garage.pools import JobShape, advertised, job_shapes, lifetime, worker_names
+from hpc_garage.site import Site, parse_site_dict
+from hpc_garage.units import format_bytes, format_walltime
+
+
+@dataclass(frozen=True)
+class JobWorker:
+    """One worker of this job, as it is started."""
+
+    name: str
+    spec: WorkerSpec
+    env: dict[str, str]  # the spec's environment with its GPUs pinned as this job sees them
+    resources: dict[str, float]  # the spec's, plus the UNTAGGED marker where the pool takes such tasks
+
+
+def job_workers(shape: JobShape, job_name: str, allocation: Allocation,
+                env: Mapping[str, str]) -> tuple[list[JobWorker], list[str]]:
+    """This job's workers, from its real allocation; and what was assumed or left unused, in words."""
+    specs = [w for w in plan(shape.site, allocation).workers if w.node == 0]
+    want = shape.workers_per_job
+    if len(specs) < want:
+        raise UserError(
+            f"this job was given {allocation.nodes[0].cores} cores, {format_bytes(allocation.nodes[0].memory)} "
+            f"and {len(allocation.nodes[0].gpus)} GPUs: {len(specs)} workers, but pool {shape.pool}'s jobs have "
+            f"{want}; check the job's directives against the site"
+        )
+    notes = list(allocation.notes)
+    if len(specs) > want:
+        notes.append(f"the allocation holds {len(specs)} workers; starting the {want} the pool's jobs have")
+        specs = specs[:want]
+    gpus = node_gpus(env)
+    workers = []
+    for name, spec in zip(worker_names(job_name, want), specs):
+        pinned = pin_gpus(spec, gpus, shape.site.gpu_env_vars)
+        workers.append(JobWorker(name=name, spec=spec, env={**spec.env, **pinned},
+                                 resources=advertised(spec.resources, untagged=shape.untagged, marker=shape.marker)))
+    return workers, notes
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m hpc_garage.launchers.jobqueue_worker")
+    parser.add_argument("address")
+    parser.add_argument("--name", required=True)
+    parser.add_argument("--hpc-garage-plan", dest="plan", required=True)
+    parser.add_argument("--death-timeout", type=float, default=60.0)
+    args, _ = parser.parse_known_args(argv)  # dask-jobqueue's --nthreads, --memory-limit, --tls-*: see above
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        data: dict[str, Any] = json.loads(Path(args.plan).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UserError(f"cannot read the worker plan {args.plan} ({exc}); the run that submitted this job "
+                        "has ended, or its run directory is not on a file system this node shares") from None
+    site: Site = parse_site_dict(data["site"], origin=f"site of {args.plan}")
+    shape = job_shapes(site)[data["pool"]]
+    allocation = Allocation.from_env(shape.site)
+    workers, notes = job_workers(shape, args.name, allocation, os.environ)
+    remaining = allocation.end_time - time.time() if allocation.end_time else None
+    life, stagger = lifetime(shape.site, remaining)
+    os.environ.update(data["env"])  # the run's worker environment (Prefect API, logging) for every process here
+    for note in notes:
+        _say(note)
+    return asyncio.run(_serve(data, shape, workers, args, life, stagger))
+
+
+async def _serve(data: dict[str, Any], shape: JobShape, workers: list[JobWorker], args: argparse.Namespace,
+                 life: int, stagger: int) -> int:
+    from distributed import Nanny
+    from distributed.security import Security
+
+    security = Security(require_encryption=True, **data["tls"]) if data["tls"] else None
+    site = shape.site
+    where = {"interface": site.interface} if site.interface else {}
+    nannies = [
+        Nanny(data["address"], name=w.name, nthreads=w.spec.nthreads, memory_limit=w.spec.memory_limit,
+              resources=w.resources, env={**data["env"], **w.env}, security=security,
+              protocol="tls" if security else "tcp", local_directory=site.local_directory_path(),
+              death_timeout=args.death_timeout, lifetime=f"{life}s", lifetime_stagger=f"{stagger}s",
+              lifetime_restart=False, **where)
+        for w in workers
+    ]
+    loop = asyncio.get_running_loop()
+    stopping: list[int] = []
+
+    def stop(sig: int) -> None:  # scancel/qdel, or the walltime: leave cleanly, the scheduler moves the data
+        stopping.append(sig)
+        for n in nannies:
+            asyncio.ensure_future(n.close(timeout=10, reason=f"worker job got signal {sig}"))
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop, sig)
+    node = os.environ.get("SLURMD_NODENAME") or os.uname().nodename
+    await asyncio.gather(*(n.start() for n in nannies))
+    for w in workers:
+        gpus = {k: v for k, v in w.env.items() if k.endswith("VISIBLE_DEVICES")}
+        _say(f"worker {w.name} on {node}: {w.spec.nthreads} threads, {format_bytes(w.spec.memory_limit)}, "
+             f"resources {w.spec.resources_arg}, {' '.join(f'{k}={v}' for k, v in gpus.items()) or 'no GPUs'}; "
+             f"retires after {format_walltime(life)} ± {stagger} s")
+    await asyncio.gather(*(n.finished() for n in nannies))
+    return 0 if not stopping else 128 + stopping[0]
+
+
+def _say(message: str) -> None:
+    print(f"hpc-garage: {message}", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except UserError as exc:
+        print(f"hpc-garage: error: {exc}", file=sys.stderr)
+        sys.exit(2)

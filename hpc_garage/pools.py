@@ -1,0 +1,298 @@
+"""Pools of worker jobs (launcher: jobqueue): the shape of one job, where a task belongs, how many jobs to keep.
+
+Pure: no I/O, no Dask. A pool is one full Site (`Site.pool_sites()`), so one worker job's workers are simply
+`layout(pool site, the allocation one job asks for)`. The launcher feeds the scheduler's state into
+`pool_targets` and submits or cancels jobs; the worker job runs the same layout on the allocation it got.
+
+Placement across pools rests on Dask resources alone. Tagged tasks go wherever a worker holds what they ask
+(`GPU=1` → GPU workers, `MEMORY=200e9` → workers that big). Tasks with no resource tags get one marker
+resource, `UNTAGGED=1`, which only the workers of pools that take untagged tasks advertise: so a plain task
+never takes a GPU worker's slot unless the site allows it. The marker is only used when some pool refuses
+untagged tasks; a site with one pool places tasks exactly as Dask always does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from hpc_garage.allocation import Allocation
+from hpc_garage.layout import Plan, WorkerSpec, describe, plan
+from hpc_garage.site import Site
+from hpc_garage.units import format_bytes, format_walltime
+
+UNTAGGED = "UNTAGGED"  # the marker resource of tasks without resource tags
+UNTAGGED_SUPPLY = 1_000_000  # what a worker that takes untagged tasks advertises: threads, not this, limit them
+POOL_RESOURCES_ENV = "HPC_GARAGE_POOL_RESOURCES"  # JSON: what each kind of worker the pools can start offers
+
+
+# ------------------------------------------------------------------------------------------ one job's shape
+
+
+@dataclass(frozen=True)
+class JobShape:
+    """One worker job of a pool: what it asks the batch system for and the workers it starts."""
+
+    pool: str
+    site: Site  # the pool's full site
+    plan: Plan  # the workers of one job (names n0-…; the job names them `<job>-<k>`)
+    untagged: bool  # this pool's workers take tasks without resource tags
+    marker: bool  # the site uses the UNTAGGED marker (some pool refuses untagged tasks)
+
+    @property
+    def node(self) -> Any:
+        return self.plan.allocation.nodes[0]
+
+    @property
+    def cores(self) -> int:
+        return int(self.node.cores)
+
+    @property
+    def memory(self) -> int:
+        return int(self.node.memory)
+
+    @property
+    def gpus(self) -> int:
+        return len(self.node.gpus)
+
+    @property
+    def workers_per_job(self) -> int:
+        return len(self.plan.workers)
+
+    @property
+    def worker_resources(self) -> list[dict[str, float]]:
+        """What each worker of a job advertises, marker included."""
+        return [advertised(w.resources, untagged=self.untagged, marker=self.marker) for w in self.plan.workers]
+
+    @property
+    def walltime(self) -> int:
+        return int(self.plan.allocation.walltime or self.site.walltime)
+
+
+def job_shapes(site: Site) -> dict[str, JobShape]:
+    """Every pool's job shape, in the site's order."""
+    untagged = site.untagged_pools()
+    sites = site.pool_sites()
+    marker = len(untagged) < len(sites)
+    return {name: job_shape(name, s, untagged=name in untagged, marker=marker) for name, s in sites.items()}
+
+
+def job_shape(pool: str, site: Site, *, untagged: bool = True, marker: bool = False) -> JobShape:
+    """One job = one node, or one GPU slice of a node with the same share of its cores and memory."""
+    jq = site.jobqueue
+    allocation = Allocation.from_request(
+        site, nodes=1, gpus_per_node=jq.gpus_per_job, cores_per_node=jq.cores_per_job,
+        memory=jq.memory_per_job, walltime=site.walltime,
+    )
+    return JobShape(pool=pool, site=site, plan=plan(site, allocation), untagged=untagged, marker=marker)
+
+
+def pool_offers(shapes: Mapping[str, JobShape]) -> list[dict[str, float]]:
+    """The resources of every kind of worker the pools can start, whether or not one runs now: a task
+    asking for one of these is placeable, it may only wait for a job (adaptive pools start at zero)."""
+    offers: list[dict[str, float]] = []
+    for shape in shapes.values():
+        for resources in shape.worker_resources:
+            if resources not in offers:
+                offers.append(resources)
+    return offers
+
+
+def worker_names(job_name: str, count: int) -> list[str]:
+    """The names dask-jobqueue's SpecCluster expects for a job's workers: `<job>-<k>`, or `<job>` alone."""
+    return [job_name] if count == 1 else [f"{job_name}-{k}" for k in range(count)]
+
+
+def advertised(resources: Mapping[str, float], *, untagged: bool, marker: bool) -> dict[str, float]:
+    """A worker's resources, with the marker where its pool takes untagged tasks and the site uses it."""
+    return {**resources, UNTAGGED: UNTAGGED_SUPPLY} if marker and untagged else dict(resources)
+
+
+def untagged_restrictions(resources: Mapping[str, float] | None, marker: str | None) -> dict[str, float]:
+    """The placement rule: what a task asks of a worker. Tagged tasks keep their tags; a task with none asks
+    for the marker (when the site uses one), so only workers of pools that take untagged tasks run it."""
+    wanted = {k: v for k, v in (resources or {}).items() if v > 0}
+    return wanted if wanted or not marker else {marker: 1}
+
+
+# ------------------------------------------------------------------------------------------------ lifetime
+
+
+def lifetime(site: Site, remaining: float | None = None) -> tuple[int, int]:
+    """(`--lifetime`, `--lifetime-stagger`) in seconds, so every worker has retired `lifetime_margin` before
+    the batch system ends its job: a worker's lifetime is drawn from lifetime ± stagger.
+
+    `remaining` is the job's real time left (from its end time, read inside the job) when known.
+    """
+    budget = site.walltime if remaining is None else min(site.walltime, int(remaining))
+    stagger = site.lifetime_stagger
+    return max(1, budget - site.lifetime_margin - stagger), stagger
+
+
+# ----------------------------------------------------------------------------------------- where tasks go
+
+
+def fits(restrictions: Mapping[str, float], resources: Mapping[str, float]) -> bool:
+    return all(resources.get(k, 0) >= v for k, v in restrictions.items())
+
+
+def choose_pool(restrictions: Mapping[str, float] | None, shapes: Sequence[JobShape]) -> str | None:
+    """The pool whose workers should take a task the cluster cannot place now, or None if none ever can.
+
+    Among the pools that fit, a task that asks for no GPU prefers pools without GPUs; then the site's order.
+    A task with no restrictions at all goes to a pool that takes untagged tasks.
+    """
+    wanted = dict(restrictions or {})
+    if not wanted:
+        return next((s.pool for s in shapes if s.untagged), None)
+    fitting = [s for s in shapes if any(fits(wanted, r) for r in s.worker_resources)]
+    if not wanted.get("GPU"):
+        fitting.sort(key=lambda s: s.gpus > 0)  # stable: keeps the site's order otherwise
+    return fitting[0].pool if fitting else None
+
+
+def task_weight(restrictions: Mapping[str, float] | None, shape: JobShape) -> float:
+    """The share of one worker a task takes while it runs: 1/k when k such tasks run on a worker at once."""
+    worker = max(shape.plan.workers, key=lambda w: w.nthreads)
+    slots = float(worker.nthreads)
+    resources = shape.worker_resources[shape.plan.workers.index(worker)]
+    for name, amount in (restrictions or {}).items():
+        if amount > 0 and name != UNTAGGED:
+            slots = min(slots, math.floor(resources.get(name, 0) / amount))
+    return 1.0 / max(1.0, slots)
+
+
+@dataclass(frozen=True)
+class PoolState:
+    """What the launcher sees of one pool at one moment."""
+
+    jobs: int  # worker jobs queued or running
+    load: float  # workers' worth of tasks: running or waiting on its workers, plus unplaced ones it should take
+    leaving: int = 0  # jobs whose workers retired, still in the queue: they count against the cap only
+
+
+def pool_loads(shapes: Sequence[JobShape], unplaced: Iterable[Mapping[str, float] | None],
+               assigned: Mapping[str, Iterable[Mapping[str, float] | None]]) -> dict[str, float]:
+    """Workers' worth of work per pool: tasks assigned to its workers, plus the unplaced tasks it should take."""
+    by_name = {s.pool: s for s in shapes}
+    load = {s.pool: 0.0 for s in shapes}
+    for pool, tasks in assigned.items():
+        if pool in by_name:
+            load[pool] += sum(task_weight(t, by_name[pool]) for t in tasks)
+    for restrictions in unplaced:
+        if (pool := choose_pool(restrictions, shapes)) is not None:
+            load[pool] += task_weight(restrictions, by_name[pool])
+    return load
+
+
+def pool_targets(shapes: Sequence[JobShape], states: Mapping[str, PoolState], cap: int) -> dict[str, int]:
+    """How many worker jobs each pool should have: its fixed count, or as many as its load needs within
+    minimum_jobs..maximum_jobs; never more than its own max_jobs_in_queue, nor `cap` for all pools together."""
+    wanted: dict[str, int] = {}
+    for shape in shapes:
+        fewest, most = shape.site.jobqueue.bounds
+        if shape.site.jobqueue.adaptive:
+            need = math.ceil(round(states[shape.pool].load, 6) / shape.workers_per_job)
+            wanted[shape.pool] = min(max(need, fewest), most)
+        else:
+            wanted[shape.pool] = fewest
+        own_room = shape.site.jobqueue.max_jobs_in_queue - states[shape.pool].leaving
+        wanted[shape.pool] = min(wanted[shape.pool], max(own_room, 0))
+    # growth shares what the run-wide cap leaves, in the site's order (a pool that shrinks frees room
+    # only once its jobs are gone); shrinking is never held back
+    room = cap - sum(states[s.pool].jobs + states[s.pool].leaving for s in shapes)
+    for shape in shapes:
+        have = states[shape.pool].jobs
+        if wanted[shape.pool] > have:
+            grow = max(0, min(wanted[shape.pool] - have, room))
+            wanted[shape.pool] = have + grow
+            room -= grow
+    return wanted
+
+
+def idle_jobs(busy_since: Mapping[str, float | None], now: float, idle_timeout: float, surplus: int) -> list[str]:
+    """Up to `surplus` jobs to cancel: those idle longest, and at least `idle_timeout` (None = never started)."""
+    never = [job for job, last in busy_since.items() if last is None]
+    idle = sorted((last, job) for job, last in busy_since.items() if last is not None and now - last >= idle_timeout)
+    return (never + [job for _, job in idle])[:max(0, surplus)]
+
+
+# ------------------------------------------------------------------------------------------------- showing
+
+
+def describe_site(site: Site) -> list[str]:
+    """`show` for a jobqueue site: per pool, one worker job's resource math and how the pool scales."""
+    shapes = job_shapes(site)
+    lines = [f"site {site.name} ({site.scheduler}, jobqueue launcher): {len(shapes)} pool(s) of worker jobs, "
+             f"at most {site.jobqueue.max_jobs_in_queue} worker jobs queued or running"]
+    if site.jobqueue.driver == "job":
+        lines.append(f"submit: a driver job ({site.jobqueue.driver_cores} core(s), "
+                     f"{format_bytes(site.jobqueue.driver_memory)}) runs the scheduler and the script")
+    else:
+        lines.append("submit: the driver (scheduler and script) runs here, on the login node")
+    for shape in shapes.values():
+        jq = shape.site.jobqueue
+        fewest, most = jq.bounds
+        scaling = f"adaptive {fewest}..{most} jobs (idle {jq.idle_timeout} s → cancelled)" if jq.adaptive \
+            else f"{fewest} job(s)"
+        life, stagger = lifetime(shape.site)
+        takes = "takes untagged tasks" if shape.untagged else "tagged tasks only"
+        lines.append(f"pool {shape.pool}: queue {shape.site.queue or '(default)'}, {scaling}, {takes}, "
+                     f"walltime {format_walltime(shape.walltime)}, workers retire after "
+                     f"{format_walltime(life)} ± {stagger} s")
+        body = describe(replace(shape.plan, workers=_resourced(shape)))[1:]  # the site line is said above
+        lines += ["  " + line.replace("request: 1 node(s)", "one worker job: 1 node") for line in body
+                  if not line.startswith("total:")]
+    return lines
+
+
+def show_pools(site_name: str, *, as_json: bool = False, **request: Any) -> str:
+    """`hpc-garage show` for a jobqueue site. Request flags do not apply: the site's jobqueue: shapes the jobs."""
+    import json
+
+    from hpc_garage.site import load_site
+
+    site = load_site(site_name)
+    refuse_request(site, request)
+    return json.dumps(to_dict(site), indent=2) if as_json else "\n".join(describe_site(site))
+
+
+def refuse_request(site: Site, request: Mapping[str, Any]) -> None:
+    """Jobqueue sites take their worker jobs' shape from the site; a request flag would be silently ignored."""
+    from hpc_garage.errors import UserError
+
+    flags = {"nodes": "--nodes", "gpus_per_node": "--gpus-per-node", "cores_per_node": "--cores-per-node",
+             "cores_per_worker": "-c/--cpus-per-task", "mem": "--mem", "memory": "--mem", "gpu_type": "a GPU type"}
+    asked = [flag for key, flag in flags.items() if request.get(key) is not None]
+    if asked:
+        flag = asked[0]
+        raise UserError(f"{flag}: site {site.name} runs worker jobs shaped by its jobqueue: section (gpus_per_job, "
+                        f"cores_per_job, memory_per_job, jobs); drop the flag, or edit the site "
+                        f"(`hpc-garage show --site {site.name}` shows the jobs)")
+
+
+def to_dict(site: Site) -> dict[str, Any]:
+    """`show --json` for a jobqueue site."""
+    return {
+        "site": site.model_dump(mode="json") | {"path": str(site.path) if site.path else None},
+        "pools": {
+            name: {
+                "queue": shape.site.queue,
+                "scaling": dict(zip(("minimum_jobs", "maximum_jobs"), shape.site.jobqueue.bounds))
+                | {"adaptive": shape.site.jobqueue.adaptive},
+                "untagged": shape.untagged,
+                "job": {"cores": shape.cores, "memory": shape.memory, "gpus": shape.gpus,
+                        "walltime": shape.walltime},
+                "lifetime": dict(zip(("lifetime", "stagger"), lifetime(shape.site))),
+                "workers": [w.to_dict() for w in _resourced(shape)],
+                "leftovers": shape.plan.leftovers,
+            }
+            for name, shape in job_shapes(site).items()
+        },
+    }
+
+
+def _resourced(shape: JobShape) -> list[WorkerSpec]:
+    return [replace(w, resources=r) for w, r in zip(shape.plan.workers, shape.worker_resources)]
