@@ -10,11 +10,17 @@
 
 prefect-dask 0.3.7 ignores `dask-resource:` tags, so a "GPU" task may land on a CPU worker. HpcTaskRunner
 submits each tagged task under `dask.annotate(resources=...)`, merged with the caller's own annotation.
+
+prefect-dask also spends ~190 ms of set-up per task (Settings re-validated, a Prefect client built twice,
+the settings re-serialized in the flow). HpcTaskRunner submits through `prefect_fast`, which does that set-up
+once per worker and still runs every task through Prefect's own engine; see that module for what and why.
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
+import json
 import os
 import socket
 import sys
@@ -25,7 +31,9 @@ from urllib.parse import urlsplit
 import dask
 from prefect.context import TagsContext
 from prefect_dask import DaskTaskRunner
+from prefect_dask.task_runners import PrefectDaskFuture
 
+from hpc_garage import prefect_fast
 from hpc_garage.errors import UserError
 from hpc_garage.handoff import handoff_from_env
 from hpc_garage.tags import resources_from_tags
@@ -65,11 +73,16 @@ def task_runner(*, site: str | Site | None = None, **kwargs: Any) -> HpcTaskRunn
 
 
 class HpcTaskRunner(DaskTaskRunner):
-    """DaskTaskRunner that places tasks by their `dask-resource:` tags and refuses unguarded scripts."""
+    """DaskTaskRunner that places tasks by their `dask-resource:` tags, runs them with per-worker set-up
+    done once (`prefect_fast`), and refuses unguarded scripts."""
+
+    RECORD_TIMEOUT = 120.0  # s the flow waits at its end for Prefect's API to record its finished tasks
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._placeable: set[frozenset[tuple[str, float]]] = set()  # resource sets some worker offers
+        self._submitter: Any = None  # prefect_fast.Submitter, or False once the plain path was chosen
+        self._finished: list[Any] = []  # ids of task runs whose dask future is done
 
     def __enter__(self) -> HpcTaskRunner:
         if not (self.address or self._cluster):
@@ -77,18 +90,72 @@ class HpcTaskRunner(DaskTaskRunner):
         super().__enter__()
         return self
 
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self._await_recorded()
+        finally:
+            super().__exit__(*exc)
+
     def submit(self, task: Any, parameters: dict[str, Any], wait_for: Any = None,
                dependencies: Any = None) -> Any:  # map() submits through here too
+        resources = self._resources(task)
+        with dask.annotate(resources=resources) if resources else contextlib.nullcontext():
+            return self._submit(task, parameters, wait_for, dependencies)
+
+    def _resources(self, task: Any) -> dict[str, float] | None:
+        """What the task's tags ask for, merged under the caller's `dask.annotate`; None: leave it to Dask."""
         wanted = task_resources(task)
-        if not wanted:
-            return super().submit(task, parameters, wait_for, dependencies)
         current = dask.get_annotations().get("resources")
-        if callable(current):  # a per-key function from the caller decides on its own
-            return super().submit(task, parameters, wait_for, dependencies)
+        if not wanted or callable(current):  # a per-key function from the caller decides on its own
+            return None
         resources = {**wanted, **(current or {})}  # the caller's `dask.annotate` wins over the task's tags
         self._check_placeable(task, resources)
-        with dask.annotate(resources=resources):
-            return super().submit(task, parameters, wait_for, dependencies)
+        return resources
+
+    def _submit(self, task: Any, parameters: dict[str, Any], wait_for: Any, dependencies: Any) -> Any:
+        """prefect-dask's submit, with its per-task set-up done once per worker (prefect_fast) where it can be."""
+        call = self._fast_call(task, parameters, wait_for, dependencies)
+        if call is None:
+            future = super().submit(task, parameters, wait_for, dependencies)
+        else:
+            dask_future = self.client.submit(prefect_fast.run_task, key=call.key, pure=False, **call.kwargs)
+            future = PrefectDaskFuture(wrapped_future=dask_future, task_run_id=call.task_run_id)
+        run_id, finished = future.task_run_id, self._finished  # not self: no cycle through the dask client
+        future.wrapped_future.add_done_callback(lambda f: f.status == "finished" and finished.append(run_id))
+        return future
+
+    def _fast_call(self, task: Any, parameters: dict[str, Any], wait_for: Any, dependencies: Any) -> Any:
+        """run_task's arguments, or None for prefect-dask's own path (not started, or prefect_fast can't)."""
+        if self._submitter is None:
+            why = prefect_fast.problem()
+            self._submitter = prefect_fast.Submitter() if why is None else False
+            if why is not None:
+                self.logger.warning(f"hpc-garage: plain prefect-dask task submission ({why})")
+        if not self._started or self._submitter is False:
+            return None
+        if not all(prefect_fast.is_plain(v) for v in parameters.values()):
+            parameters = self._optimize_futures(parameters)  # PrefectDaskFutures -> their dask futures
+        wait_for = self._optimize_futures(wait_for) if wait_for else None
+        call = self._submitter.task_call(task, parameters, wait_for, dependencies)
+        if call is None:
+            self.logger.warning("hpc-garage: plain prefect-dask task submission (prefect's context differs)")
+            self._submitter = False
+        return call
+
+    def _await_recorded(self) -> None:
+        """Prefect records task runs from their workers' events, a little after they finish: wait for it, so
+        that when the flow returns its API shows every task that finished (bounded by RECORD_TIMEOUT)."""
+        if not self._finished:
+            return
+        try:
+            missing = prefect_fast.await_recorded(self._finished, self.RECORD_TIMEOUT)
+        except Exception as exc:  # noqa: BLE001 - the flow's own outcome matters more than this check
+            self.logger.warning(f"hpc-garage: could not confirm the task runs with Prefect's API: {exc}")
+            return
+        if missing:
+            self.logger.warning(f"hpc-garage: Prefect's API had not recorded {missing} of {len(self._finished)} "
+                                f"finished task runs after {self.RECORD_TIMEOUT:.0f} s; they appear as the server "
+                                "catches up")
 
     def _check_placeable(self, task: Any, resources: dict[str, float]) -> None:
         """Dask keeps a task no worker can take waiting forever; a typo (`gpu`) must not burn an allocation."""
@@ -118,7 +185,9 @@ def worker_resources() -> list[dict[str, float]]:
 
 
 def _offered(client: Any) -> list[dict[str, float]]:
-    return [dict(w.get("resources") or {}) for w in client.scheduler_info(n_workers=-1)["workers"].values()]
+    """What the workers offer, and what pools that can still grow (from zero) will offer (exported by `run`)."""
+    running = [dict(w.get("resources") or {}) for w in client.scheduler_info(n_workers=-1)["workers"].values()]
+    return running + json.loads(os.environ.get("HPC_GARAGE_POOL_RESOURCES", "[]"))
 
 
 def task_resources(task: Any) -> dict[str, float]:

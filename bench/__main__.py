@@ -1,0 +1,102 @@
+"""`python -m bench`: every benchmark of issue 5 on this machine's local SLURM and login node, one command.
+
+    python -m bench                 full: 5 runs each, writes bench/results/latest.{md,json} and the timeline
+    python -m bench --quick         CI: tiny sizes, one run, into a temporary directory; asserts no timings
+    python -m bench --only overhead,cli --runs 7 --out DIR
+
+Each benchmark runs in its own Python process (bench.startup, bench.overhead, bench.packing, bench.cli_speed),
+so one's imports, Prefect settings and clusters cannot colour another's figures. Needs the local SLURM up
+(scripts/local-slurm up) for start-up and packing; they are reported as skipped without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import PYTHON, ROOT, machine, say, slurm_problem
+from bench.report import write_reports
+
+RESULTS = Path(__file__).resolve().parent / "results"
+ORDER = ("cli", "overhead", "packing", "startup")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one run (CI): checks the bench works")
+    parser.add_argument("--runs", type=int, help="runs per figure (default 5; 1 with --quick)")
+    parser.add_argument("--only", help=f"comma-separated subset of {','.join(ORDER)}")
+    parser.add_argument("--out", type=Path, help="results directory (default bench/results; a temp dir with --quick)")
+    args = parser.parse_args(argv)
+    runs = args.runs or (1 if args.quick else 5)
+    out = args.out or (Path(tempfile.mkdtemp(prefix="hpc-garage-bench-quick-")) if args.quick else RESULTS)
+    out.mkdir(parents=True, exist_ok=True)
+    chosen = [b for b in ORDER if not args.only or b in args.only.split(",")]
+    no_slurm = slurm_problem()
+    started = time.monotonic()
+    info = machine()
+    sections: dict[str, Any] = {}
+    failed = []
+    for name in chosen:
+        if name in ("startup", "packing") and no_slurm:
+            sections[name] = {"skipped": no_slurm}
+            say(f"{name}: skipped: {no_slurm}")
+            continue
+        say(f"{name}: running")
+        begun = time.monotonic()
+        target = out / f"{name}.json"
+        code = _run([PYTHON, "-m", f"bench.{_module(name)}", *_arguments(name, args.quick, runs, out),
+                     "--out", str(target)], out / f"{name}.log")
+        if code != 0 or not target.exists():
+            failed.append(name)
+            sections[name] = {"failed": f"exit code {code}"}
+            continue
+        sections[name] = json.loads(target.read_text()) | {"seconds": round(time.monotonic() - begun, 1)}
+        target.unlink()
+    report = {"machine": info, "quick": args.quick, "runs": runs, "seconds": round(time.monotonic() - started, 1),
+              "benchmarks": sections}
+    md, js = write_reports(report, out)
+    say(f"wrote {md} and {js} in {report['seconds']:.0f} s")
+    if failed:
+        say(f"failed: {', '.join(failed)}")
+    return 1 if failed else 0
+
+
+def _run(argv: list[str], log: Path) -> int:
+    """Run one benchmark; its whole output (Prefect's logs included) goes to `log`, its `bench:` lines here too."""
+    with open(log, "w") as sink:
+        process = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert process.stdout is not None
+        for line in process.stdout:
+            sink.write(line)
+            if line.startswith("bench:"):
+                print(line, end="", file=sys.stderr, flush=True)
+        return process.wait()
+
+
+def _module(name: str) -> str:
+    return {"cli": "cli_speed"}.get(name, name)
+
+
+def _arguments(name: str, quick: bool, runs: int, out: Path) -> list[str]:
+    base = ["--runs", str(runs)]
+    if name == "overhead":
+        return base + ["--tasks", "10" if quick else "100"]
+    if name == "cli":
+        return base + (["--nodes", "64"] if quick else [])
+    if name == "packing":
+        sizes = ["--gpu-trials", "8", "--cpu-trials", "2", "--seconds", "0.2"] if quick else []
+        return base + sizes + ["--plot", str(out / "packing-timeline.png")]
+    if name == "startup":
+        return base + (["--nodes", "1"] if quick else [])
+    return base
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""What every benchmark shares: a measured figure and its statistics, the machine, processes, SLURM jobs."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+PYTHON = os.path.realpath(sys.executable)  # the real interpreter, never a pyenv shim
+BIN = Path(sys.executable).parent  # console scripts installed beside it (hpc-garage, dask-mpi)
+
+
+@dataclass
+class Figure:
+    """One measured quantity: every run's value, and what it is compared with.
+
+    `ours` marks hpc-garage's figure in its group; ratios are ours / peer, medians of the same run.
+    """
+
+    group: str  # e.g. "start-up, 1 node x 4 workers: job running -> all workers registered"
+    label: str  # who: "hpc-garage mpi launcher", "dask-mpi CLI + Client(scheduler_file)"
+    unit: str  # "s" or "tasks/s"
+    values: list[float] = field(default_factory=list)
+    ours: bool = False
+    higher_is_better: bool = False
+    goal: str = ""  # in words, e.g. "<= 0.8x the best peer"
+    met: bool | None = None
+    note: str = ""
+    ratios: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def median(self) -> float | None:
+        return statistics.median(self.values) if self.values else None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["median"] = self.median
+        out["min"] = min(self.values) if self.values else None
+        out["max"] = max(self.values) if self.values else None
+        return out
+
+
+def compare(figures: list[Figure], goal: str, check: Callable[[Figure, list[Figure]], bool | None]) -> None:
+    """Fill in each of our figures' ratios to its group's peers and whether `check(ours, peers)` holds."""
+    for ours in (f for f in figures if f.ours):
+        peers = [f for f in figures if f.group == ours.group and not f.ours and f.median]
+        ours.ratios = {p.label: ours.median / p.median for p in peers if ours.median is not None}
+        ours.goal = goal
+        ours.met = check(ours, peers) if ours.median is not None and peers else None
+
+
+def ratio_to_best(ours: Figure, peers: list[Figure]) -> float:
+    best = max(p.median for p in peers) if ours.higher_is_better else min(p.median for p in peers)
+    return ours.median / best
+
+
+# ------------------------------------------------------------------------------------------- machine
+
+
+def machine() -> dict[str, Any]:
+    """What the figures were measured on: they mean little without it."""
+    cpu = "unknown"
+    with _quiet(OSError):
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    versions = {}
+    for name in ("hpc-garage", "prefect", "prefect-dask", "distributed", "dask-jobqueue", "dask-mpi", "mpi4py"):
+        with _quiet(Exception):
+            from importlib.metadata import version
+
+            versions[name] = version(name)
+    slurm = _output(["sinfo", "--version"]) or "not installed"
+    nodes = _output(["sinfo", "-h", "-N", "-o", "%N %P %c %m %G"]) or ""
+    mpi = (_output(["mpirun", "--version"]) or "").splitlines()[:1]
+    return {
+        "cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(memory / 2**30, 1),
+        "os": platform.platform(), "python": platform.python_version(), "interpreter": PYTHON,
+        "packages": versions, "slurm": slurm, "slurm_nodes": sorted(set(nodes.splitlines())),
+        "mpi": mpi[0] if mpi else "not installed",
+        "load_average_at_start": os.getloadavg()[0],
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
+
+
+def _output(argv: list[str]) -> str | None:
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+@contextmanager
+def _quiet(*kinds: type[BaseException]) -> Iterator[None]:
+    try:
+        yield
+    except kinds:
+        pass
+
+
+# ---------------------------------------------------------------------------------------- processes
+
+
+def say(message: str) -> None:
+    print(f"bench: {message}", file=sys.stderr, flush=True)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of one process so far, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_idle(pid: int, *, below: float = 0.15, window: float = 0.5, timeout: float = 30) -> None:
+    """Wait until a process (e.g. the Prefect server catching up on events) uses < `below` of a core."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            before = cpu_seconds(pid)
+        except OSError:
+            return
+        time.sleep(window)
+        with _quiet(OSError):
+            if (cpu_seconds(pid) - before) / window < below:
+                return
+
+
+def read_json_when_ready(path: Path, timeout: float, alive: Callable[[], bool] = lambda: True) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists():
+            with _quiet(ValueError):
+                return dict(json.loads(path.read_text()))
+        if not alive():
+            break
+        time.sleep(0.05)
+    raise TimeoutError(f"{path} did not appear within {timeout:.0f} s")
+
+
+def scratch(prefix: str) -> Path:
+    """A directory every fake node can see (they share this host)."""
+    base = Path(os.environ.get("HPC_GARAGE_BENCH_TMP") or Path.home() / ".cache" / "hpc-garage-bench")
+    base.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
+
+
+# -------------------------------------------------------------------------------------------- SLURM
+
+
+def slurm_problem() -> str | None:
+    if not shutil.which("sbatch"):
+        return "sbatch is not installed (scripts/local-slurm up)"
+    out = _output(["sinfo", "-h", "-o", "%T"])
+    if out is None:
+        return "no SLURM controller answers (scripts/local-slurm up)"
+    return None
+
+
+class Jobs:
+    """The SLURM jobs this bench submitted: waited for, and cancelled (only these) if left behind."""
+
+    def __init__(self) -> None:
+        self.ids: list[str] = []
+
+    def sbatch(self, script: Path, *extra: str, env: dict[str, str] | None = None) -> str:
+        done = subprocess.run(["sbatch", "--parsable", *extra, str(script)], capture_output=True, text=True,
+                              cwd=script.parent, env=env, timeout=60)
+        if done.returncode != 0:
+            raise RuntimeError(f"sbatch {script.name}: {done.stderr.strip()}")
+        job = done.stdout.strip().split(";")[0]
+        self.ids.append(job)
+        return job
+
+    def adopt(self, text: str) -> str:
+        """Remember a job another command submitted (its id in `text`)."""
+        match = re.search(r"submitted job (\d+)", text) or re.search(r"\b(\d+)\b", text)
+        if not match:
+            raise RuntimeError(f"no job id in: {text!r}")
+        self.ids.append(match.group(1))
+        return match.group(1)
+
+    def wait_gone(self, job: str, timeout: float = 180) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            out = _output(["scontrol", "show", "job", "-o", job]) or ""
+            state = m.group(1) if (m := re.search(r"JobState=(\S+)", out)) else ""
+            if not state or state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
+                return state
+            time.sleep(0.2)
+        self.cancel([job])
+        raise TimeoutError(f"job {job} still running after {timeout:.0f} s (cancelled)")
+
+    def end(self, job: str) -> None:
+        """The figure is taken: cancel the job rather than wait for its teardown, which nobody measures."""
+        self.cancel([job])
+        self.wait_gone(job, timeout=60)
+
+    def cancel(self, jobs: Sequence[str] | None = None) -> None:
+        targets = list(jobs if jobs is not None else self.ids)
+        if targets:
+            subprocess.run(["scancel", *targets], capture_output=True, timeout=30)
+
+    def queue_is_empty(self) -> bool:
+        return not (_output(["squeue", "-h", "-o", "%i"]) or "").split()
+
+
+def wait_for_free_nodes(timeout: float = 120) -> None:
+    """Benchmarks need the whole (2-node) cluster: wait until nothing else runs on it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not (_output(["squeue", "-h", "-o", "%i"]) or "").split():
+            return
+        time.sleep(0.2)
+    say("warning: other jobs still hold the local SLURM; start-up figures include their contention")

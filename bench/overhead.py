@@ -1,0 +1,171 @@
+"""(3) Per-task overhead: tasks/s of a flow of N trivial tasks on one running cluster (2 workers x 1 thread).
+
+    python -m bench.overhead --tasks 100 --runs 5 --out overhead.json
+
+Contenders, on the same cluster, one after another within each run: hpc-garage's `task_runner()`, plain
+prefect-dask `DaskTaskRunner(address=...)`, raw `Client.map` (no Prefect), and Prefect's in-process
+`ThreadPoolTaskRunner(max_workers=2)`. All Prefect runs use the same Prefect API (hpc-garage's server).
+
+Tasks/s is N / (first submit -> last result) inside the flow: the per-task cost, without the flow run's
+own start and end. The end-to-end flow time is kept too (for hpc-garage it includes waiting until the API
+has recorded every task run, which plain prefect-dask does not do). Between runs the bench waits until the
+Prefect server is idle, so no contender pays for another's backlog.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import PYTHON, SCRIPTS, Figure, compare, cpu_seconds, read_json_when_ready, say, wait_idle
+
+GROUP = "per-task overhead: {n} trivial tasks, 2 workers x 1 thread"
+OURS = "hpc-garage task_runner()"
+PLAIN = "prefect-dask DaskTaskRunner(address=...)"
+RAW = "raw Client.map (no Prefect)"
+THREADS = "Prefect ThreadPoolTaskRunner(max_workers=2)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tasks", type=int, default=100)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    Path(args.out).write_text(json.dumps(measure(args.tasks, args.runs), indent=2))
+    return 0
+
+
+def measure(n: int, runs: int) -> dict[str, Any]:
+    from hpc_garage.prefect import use_api
+    from hpc_garage.prefect_server import ensure_api, server_status
+
+    api = ensure_api()
+    use_api(api)
+    server_pid = int(server_status().get("pid") or 0)
+    info_file = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-cluster-{os.getpid()}.json"
+    cluster = subprocess.Popen([PYTHON, str(SCRIPTS / "cluster.py"), "--workers", "2", "--threads", "1",
+                                "--out", str(info_file)], stdin=subprocess.PIPE, env={**os.environ, **api})
+    try:
+        info = read_json_when_ready(info_file, 120, alive=lambda: cluster.poll() is None)
+        return _measure(info, n, runs, server_pid)
+    finally:
+        assert cluster.stdin is not None
+        cluster.stdin.close()
+        try:
+            cluster.wait(30)
+        except subprocess.TimeoutExpired:
+            cluster.kill()
+        info_file.unlink(missing_ok=True)
+
+
+def _measure(info: dict[str, Any], n: int, runs: int, server_pid: int) -> dict[str, Any]:
+    from distributed import Client
+    from prefect import flow, task
+    from prefect.task_runners import ThreadPoolTaskRunner
+    from prefect_dask import DaskTaskRunner
+
+    import hpc_garage
+
+    address = info["address"]
+
+    @task
+    def trivial(i: int) -> int:
+        return i
+
+    def prefect_run(make_runner: Any, count: int) -> dict[str, Any]:
+        @flow(task_runner=make_runner(), name="bench-overhead")
+        def many(count: int) -> tuple[float, list[int]]:
+            start = time.perf_counter()
+            values = [f.result() for f in trivial.map(range(count))]
+            return time.perf_counter() - start, values
+
+        start = time.perf_counter()
+        state = many(count, return_state=True)
+        wall = time.perf_counter() - start
+        inner, values = state.result()
+        assert values == list(range(count))
+        return {"inner": inner, "wall": wall, "flow_run_id": str(state.state_details.flow_run_id)}
+
+    def raw_run(count: int) -> dict[str, Any]:
+        with Client(address) as client:
+            start = time.perf_counter()
+            values = client.gather(client.map(lambda i: i, range(count), pure=False))
+            inner = time.perf_counter() - start
+        assert values == list(range(count))
+        return {"inner": inner, "wall": inner}
+
+    contenders = {
+        OURS: lambda count: prefect_run(lambda: hpc_garage.task_runner(address=address), count),
+        PLAIN: lambda count: prefect_run(lambda: DaskTaskRunner(address=address), count),
+        RAW: raw_run,
+        THREADS: lambda count: prefect_run(lambda: ThreadPoolTaskRunner(max_workers=2), count),
+    }
+    pids = {"flow process": os.getpid(), "scheduler": info["scheduler_pid"], "Prefect server": server_pid,
+            **{f"worker {i}": p for i, p in enumerate(info["worker_pids"])}}
+    for name, run in contenders.items():  # warm-up: imports, first flow run, connections
+        say(f"overhead: warm-up {name}")
+        run(min(n, 5))
+    samples: dict[str, list[dict[str, Any]]] = {name: [] for name in contenders}
+    for i in range(runs):
+        for name, run in contenders.items():
+            if server_pid:
+                wait_idle(server_pid)
+            before = {k: _cpu(p) for k, p in pids.items()}
+            result = run(n)
+            after = {k: _cpu(p) for k, p in pids.items()}
+            result["cpu_ms_per_task"] = {k: round(1000 * (after[k] - before[k]) / n, 1) for k in pids}
+            if name == OURS:  # read at once: the runner promises the API has them when the flow returns
+                result["recorded"] = _recorded(result["flow_run_id"], n)
+            samples[name].append(result)
+            say(f"overhead run {i + 1}/{runs}: {name}: {n / result['inner']:.1f} tasks/s")
+    group = GROUP.format(n=n)
+    figures = [Figure(group, name, "tasks/s", [n / s["inner"] for s in samples[name]], ours=name == OURS,
+                      higher_is_better=True) for name in contenders]
+    compare(figures, ">= 5x plain prefect-dask; within 3x of ThreadPoolTaskRunner",
+            lambda ours, peers: (ours.ratios[PLAIN] >= 5) and ours.ratios[THREADS] >= 1 / 3)
+    wall_group = f"whole flow, {n} trivial tasks (flow start and end included; hpc-garage: until the API has them)"
+    walls = [Figure(wall_group, name, "tasks/s", [n / s["wall"] for s in samples[name]], ours=name == OURS,
+                    higher_is_better=True) for name in (OURS, PLAIN, THREADS)]
+    compare(walls, "(context)", lambda ours, peers: None)
+    recorded = [s["recorded"] for s in samples[OURS]]
+    cpu = {name: {k: statistics.median(s["cpu_ms_per_task"][k] for s in samples[name]) for k in pids}
+           for name in (OURS, PLAIN, THREADS)}
+    return {"figures": [f.to_dict() for f in figures + walls], "cpu_ms_per_task": cpu,
+            "recorded_in_api": recorded, "tasks": n}
+
+
+def _cpu(pid: int) -> float:
+    try:
+        return cpu_seconds(pid)
+    except OSError:
+        return 0.0
+
+
+def _recorded(flow_run_id: str, n: int) -> dict[str, int]:
+    """How many of the last hpc-garage flow's task runs the API holds as COMPLETED, read right after it returned."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    completed = total = 0
+    with get_client(sync_client=True) as client:
+        offset = 0
+        while True:
+            runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
+                                         limit=200, offset=offset)
+            total += len(runs)
+            completed += sum(r.state is not None and r.state.type.value == "COMPLETED" for r in runs)
+            if len(runs) < 200:
+                break
+            offset += 200
+    return {"submitted": n, "task_runs": total, "completed": completed}
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,240 @@
+"""(2) Start-up: job running -> all workers registered, and submit -> first task started, on the local SLURM
+(1 and 2 nodes x 4 workers); and the login-node path, `hpc-garage run -- python sweep.py` -> first task.
+
+    python -m bench.startup --runs 5 --nodes 1,2 --out startup.json [--skip-login]
+
+SLURM contenders, each a user's whole path from submitting to a first Prefect task:
+- hpc-garage's mpi launcher: `hpc-garage submit --site lab-gpu` (the site plus one set-up line that stamps
+  the job's start); `run` starts the scheduler and one rank per GPU, then the flow (first_task.py).
+- dask-mpi written by hand: `mpirun dask-mpi --scheduler-file ...` (scheduler on rank 0) plus the user's
+  client script, `Client(scheduler_file=...)` + prefect-dask (peer_driver.py), in one batch script.
+- dask-jobqueue's SLURMRunner under plain srun (slurmrunner_driver.py).
+- dask-jobqueue's SLURMCluster from the login node, one job per node, 4 worker processes each.
+Every peer gets the same running Prefect API (else each worker starts its own server, ~20 s): the
+comparison is of the clusters, not of Prefect set-up. Peers' client scripts import Prefect while their
+workers start; hpc-garage's flow starts only once every worker is registered.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench.common import (BIN, PYTHON, ROOT, SCRIPTS, Figure, Jobs, compare, ratio_to_best, read_json_when_ready,
+                          say, scratch, wait_for_free_nodes)
+
+OURS = "hpc-garage mpi launcher (hpc-garage submit)"
+DASK_MPI = "dask-mpi CLI + Client(scheduler_file) by hand"
+RUNNER = "dask-jobqueue SLURMRunner under srun"
+CLUSTER = "dask-jobqueue SLURMCluster, one job per node"
+LOGIN_OURS = "hpc-garage run -- python sweep.py"
+LOGIN_PLAIN = "@flow(task_runner=DaskTaskRunner()), no Prefect server configured"
+SITE = "bench-lab-gpu"
+WORKERS_PER_NODE = 4
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--nodes", default="1,2")
+    parser.add_argument("--skip-login", action="store_true")
+    parser.add_argument("--skip-slurm", action="store_true")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    figures: list[Figure] = []
+    jobs = Jobs()
+    try:
+        if not args.skip_slurm:
+            for nodes in (int(x) for x in args.nodes.split(",")):
+                figures += slurm_startup(nodes, args.runs, jobs)
+        if not args.skip_login:
+            figures += login_startup(args.runs)
+    finally:
+        jobs.cancel([j for j in jobs.ids if _queued(j)])
+    Path(args.out).write_text(json.dumps({"figures": [f.to_dict() for f in figures]}, indent=2))
+    return 0
+
+
+# -------------------------------------------------------------------------------------------- SLURM
+
+
+def slurm_startup(nodes: int, runs: int, jobs: Jobs) -> list[Figure]:
+    from hpc_garage.prefect_server import ensure_api
+
+    api = ensure_api()  # one running API for everyone, as a site would have
+    sites = scratch("sites-")
+    lab = (ROOT / "site-configs" / "lab-gpu.yaml").read_text()
+    (sites / f"{SITE}.yaml").write_text(lab + '\nsetup:\n  - date +%s.%N > "$HPC_GARAGE_BENCH_DIR/job_start"\n')
+    env = {**os.environ, **api, "HPC_GARAGE_SITES_PATH": str(sites)}
+    contenders: dict[str, Callable[[Path], dict[str, float]]] = {
+        OURS: lambda d: _hpc_garage(d, nodes, env, jobs),
+        DASK_MPI: lambda d: _dask_mpi(d, nodes, env, jobs),
+        RUNNER: lambda d: _slurm_runner(d, nodes, env, jobs),
+        CLUSTER: lambda d: _slurm_cluster(d, nodes, env),
+    }
+    samples: dict[str, list[dict[str, float]]] = {name: [] for name in contenders}
+    failures: dict[str, str] = {}
+    for i in range(runs):
+        for name, run in contenders.items():
+            if name in failures:
+                continue
+            wait_for_free_nodes()
+            directory = scratch("startup-")
+            try:
+                sample = run(directory)
+            except Exception as exc:  # noqa: BLE001 - a peer that fails here is reported, not fatal
+                failures[name] = f"{type(exc).__name__}: {exc}"[:300]
+                say(f"start-up {nodes} node(s): {name} failed: {failures[name]}")
+                continue
+            samples[name].append(sample)
+            shutil.rmtree(directory, ignore_errors=True)
+            say(f"start-up {nodes} node(s) run {i + 1}/{runs}: {name}: registered {sample['registered']:.1f} s "
+                f"after the job started, first task {sample['first_task']:.1f} s after submit")
+    shutil.rmtree(sites, ignore_errors=True)
+    shape = f"{nodes} node{'s' if nodes > 1 else ''} x {WORKERS_PER_NODE} workers"
+    figures = []
+    for key, what in (("registered", "job running -> all workers registered"),
+                      ("first_task", "submit -> first task started")):
+        group = f"start-up, {shape}: {what}"
+        block = [Figure(group, name, "s", [s[key] for s in samples[name]], ours=name == OURS,
+                        note=failures.get(name, "")) for name in contenders]
+        compare(block, "<= 0.8x the best peer", lambda ours, peers: ratio_to_best(ours, peers) <= 0.8)
+        figures += block
+    return figures
+
+
+def _hpc_garage(directory: Path, nodes: int, env: dict[str, str], jobs: Jobs) -> dict[str, float]:
+    out = directory / "out.json"
+    run_env = {**env, "HPC_GARAGE_BENCH_DIR": str(directory)}
+    submitted = time.time()
+    done = subprocess.run([str(BIN / "hpc-garage"), "submit", "--site", SITE, "--nodes", str(nodes),
+                           str(SCRIPTS / "first_task.py"), str(out)], env=run_env, cwd=directory,
+                          capture_output=True, text=True, timeout=60)
+    if done.returncode != 0:
+        raise RuntimeError(f"hpc-garage submit: {done.stderr.strip()[-300:]}")
+    job = jobs.adopt(done.stdout + done.stderr)
+    result = read_json_when_ready(out, 180, alive=lambda: _queued(job))
+    jobs.end(job)
+    return _sample(directory, result, submitted)
+
+
+def _batch_script(directory: Path, nodes: int, tasks_per_node: int, body: str) -> Path:
+    script = directory / "job.sh"
+    script.write_text(f"""#!/bin/bash
+#SBATCH --job-name=bench-peer
+#SBATCH --partition=gpu
+#SBATCH --nodes={nodes}
+#SBATCH --ntasks-per-node={tasks_per_node}
+#SBATCH --cpus-per-task=1
+#SBATCH --gres=gpu:4
+#SBATCH --mem=15000M
+#SBATCH --time=00:10:00
+#SBATCH --output={directory}/slurm-%j.out
+date +%s.%N > {directory}/job_start
+{body}
+""")
+    return script
+
+
+def _dask_mpi(directory: Path, nodes: int, env: dict[str, str], jobs: Jobs) -> dict[str, float]:
+    workers = WORKERS_PER_NODE * nodes
+    scheduler_file = directory / "scheduler.json"
+    body = f"""export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl=tcp,self
+mpirun -n {workers + 1} {BIN / 'dask-mpi'} --scheduler-file {scheduler_file} --scheduler-port 0 --interface lo \\
+  --nthreads 2 --memory-limit 3.5GB --worker-options '{{"resources": {{"GPU": 1}}}}' --no-dashboard &
+{PYTHON} {SCRIPTS / 'peer_driver.py'} --scheduler-file {scheduler_file} --workers {workers} --out {directory}/out.json
+wait
+"""
+    script = _batch_script(directory, nodes, WORKERS_PER_NODE + 1, body)
+    submitted = time.time()
+    job = jobs.sbatch(script, env=env)
+    result = read_json_when_ready(directory / "out.json", 180, alive=lambda: _queued(job))
+    jobs.end(job)
+    return _sample(directory, result, submitted)
+
+
+def _slurm_runner(directory: Path, nodes: int, env: dict[str, str], jobs: Jobs) -> dict[str, float]:
+    workers = WORKERS_PER_NODE * nodes
+    per_node = -(-(workers + 2) // nodes)
+    body = f"srun -n {workers + 2} {PYTHON} {SCRIPTS / 'slurmrunner_driver.py'} {directory}\n"
+    script = _batch_script(directory, nodes, per_node, body)
+    submitted = time.time()
+    job = jobs.sbatch(script, env=env)
+    result = read_json_when_ready(directory / "out.json", 180, alive=lambda: _queued(job))
+    jobs.end(job)
+    return _sample(directory, result, submitted)
+
+
+def _slurm_cluster(directory: Path, nodes: int, env: dict[str, str]) -> dict[str, float]:
+    workers = WORKERS_PER_NODE * nodes
+    out = directory / "out.json"
+    done = subprocess.run([PYTHON, str(SCRIPTS / "peer_driver.py"), "--jobqueue", str(nodes), "--workers",
+                           str(workers), "--out", str(out), "--job-start-dir", str(directory)],
+                          env=env, cwd=directory, capture_output=True, text=True, timeout=240)
+    if done.returncode != 0 or not out.exists():
+        raise RuntimeError(f"SLURMCluster driver exited {done.returncode}: {done.stderr.strip()[-300:]}")
+    result = json.loads(out.read_text())
+    return _sample(directory, result, result["submitted"])
+
+
+def _sample(directory: Path, result: dict[str, float], submitted: float) -> dict[str, float]:
+    starts = [float(x) for x in (directory / "job_start").read_text().split()]
+    return {"registered": result["registered"] - min(starts), "first_task": result["first_task"] - submitted}
+
+
+def _queued(job: str) -> bool:
+    out = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True).stdout.strip()
+    return bool(out)
+
+
+# --------------------------------------------------------------------------------------- login node
+
+
+def login_startup(runs: int) -> list[Figure]:
+    """The same trivial sweep from a login node: hpc-garage's run vs prefect-dask with no API configured."""
+    plain_home = Path(os.environ.get("HPC_GARAGE_BENCH_TMP") or Path.home() / ".cache" / "hpc-garage-bench") / "plain-prefect-home"
+    plain_home.mkdir(parents=True, exist_ok=True)
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "HPC_GARAGE_"))}
+    quiet = {"DO_NOT_TRACK": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    ours, plain = [], []
+    for i in range(runs):
+        directory = scratch("login-")
+        out = directory / "sweep.json"
+        start = time.time()
+        done = subprocess.run([str(BIN / "hpc-garage"), "run", "--", PYTHON, str(ROOT / "examples" / "sweep.py"),
+                               "--seeds", "2", "--lrs", "0.1", "--duration", "0.1", "--out", str(out)],
+                              env={**base, **quiet}, cwd=directory, capture_output=True, text=True, timeout=300)
+        if done.returncode == 0:
+            ours.append(min(r["start"] for r in json.loads(out.read_text())["records"]) - start)
+        else:
+            say(f"login node: hpc-garage run failed: {done.stderr[-500:]}")
+        out = directory / "plain.json"
+        start = time.time()
+        done = subprocess.run([PYTHON, str(SCRIPTS / "plain_login.py"), str(out)], cwd=directory,
+                              env={**base, **quiet, "PREFECT_HOME": str(plain_home)},
+                              capture_output=True, text=True, timeout=300)
+        if done.returncode == 0:
+            plain.append(json.loads(out.read_text())["first_task"] - start)
+        else:
+            say(f"login node: plain prefect-dask failed: {done.stderr[-500:]}")
+        shutil.rmtree(directory, ignore_errors=True)
+        say(f"login node run {i + 1}/{runs}: hpc-garage {ours[-1] if ours else float('nan'):.1f} s, "
+            f"plain {plain[-1] if plain else float('nan'):.1f} s to the first task")
+    group = "start-up, login node: command start -> first task started"
+    figures = [Figure(group, LOGIN_OURS, "s", ours, ours=True),
+               Figure(group, LOGIN_PLAIN, "s", plain,
+                      note="each worker starts its own temporary Prefect server on one SQLite file")]
+    compare(figures, "<= 0.2x plain", lambda o, peers: ratio_to_best(o, peers) <= 0.2)
+    return figures
+
+
+if __name__ == "__main__":
+    sys.exit(main())

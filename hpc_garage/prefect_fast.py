@@ -1,0 +1,335 @@
+"""Prefect's fixed cost per task on a Dask worker, cut without changing what Prefect records.
+
+Why this module exists. prefect-dask 0.3.7 + Prefect 3.8 spend ~190 ms per trivial task, nearly all of it
+set-up that is the same for every task of a flow (py-spy, 2 workers x 1 thread, issue 5):
+- on the worker, `hydrated_context` re-validates the whole Settings model from the serialized settings
+  (pydantic-settings reads the environment, profiles and .env files: 60 % of the context set-up), and a
+  Prefect client is built twice per task, each time loading the CA bundle in
+  `ssl.create_default_context(cafile=certifi.where())` (50 % of a task's samples, even for http://);
+- in the flow process, `serialize_context` re-serializes the same Settings for every submit (94 % of it),
+  then the flow run context, whose result store costs a JSON schema per block per call; and dask tokenizes
+  the arguments to make a key that is unique anyway (each call has a fresh task run id).
+
+What this module does instead, with Prefect's own engine (`run_task_sync`/`run_task_async`) still running
+every task and emitting every state event, log and result as under prefect-dask:
+- flow side (`Submitter`): the context is `serialize_context()`'s, composed from the same parts, but the
+  settings are serialized and hashed once per settings object (sent as a SettingsPayload) and the flow run
+  context once per flow run (and its state), pickled once. The first task's context is compared with
+  Prefect's own. The dask key is `<task name>-<task run id hex>`: nothing to tokenize.
+- worker side (`run_task`): a SettingsContext is validated once per distinct settings hash per process,
+  and a sync Prefect client is built and opened once per worker thread and settings hash; both are set as
+  the current contexts before Prefect's engine starts, so `hydrated_context` uses them.
+- `await_recorded`: Prefect's server records task runs from events, a little after they finish; the
+  runner waits for that at the end of the flow, so the API shows every finished task when the flow returns.
+
+It relies on Prefect internals (`serialize_context`'s parts and the private deployment context variables,
+`hydrated_context` skipping an empty `settings_context` and taking its client from `SyncClientContext`,
+the contexts' `__var__`). `problem()` checks them and the version (written against 3.8.8), the first task
+checks the composed context; where either differs HpcTaskRunner uses prefect-dask's own path, with a
+warning. HPC_GARAGE_PREFECT_FAST=0 forces that path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import hashlib
+import inspect
+import json
+import os
+import threading
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import prefect
+import prefect.context
+from prefect.context import SettingsContext, SyncClientContext, serialize_context
+
+__all__ = ["SettingsPayload", "Submitter", "TaskCall", "await_recorded", "problem", "run_task", "worker_stats"]
+
+DISABLE_ENV = "HPC_GARAGE_PREFECT_FAST"
+TESTED_PREFECT = "3.8.8"
+PREFECT_RANGE = ((3, 4), (3, 10))  # [low, high): Prefect 3 releases whose internals these hooks match
+CONTEXT_KEYS = frozenset({"flow_run_context", "task_run_context", "tags_context", "settings_context",
+                          "asset_context", "deployment_id", "deployment_parameters"})
+
+
+def problem() -> str | None:
+    """Why the fast path cannot be used with this Prefect, or None. Cheap; checked once per runner."""
+    if os.environ.get(DISABLE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return f"{DISABLE_ENV}={os.environ[DISABLE_ENV]}"
+    try:
+        version = tuple(int(x) for x in prefect.__version__.split(".")[:2])
+    except ValueError:
+        return f"prefect {prefect.__version__}: unrecognised version"
+    low, high = PREFECT_RANGE
+    if not low <= version < high:
+        return f"prefect {prefect.__version__} is outside {low[0]}.{low[1]}–<{high[0]}.{high[1]} (tested: {TESTED_PREFECT})"
+    from prefect.context import hydrated_context
+
+    if not all(hasattr(c, "__var__") for c in (SettingsContext, SyncClientContext)):
+        return "prefect's context classes no longer carry __var__"
+    if "client" not in SyncClientContext.model_fields:
+        return "SyncClientContext has no `client` field"
+    if not all(hasattr(prefect.context, n) for n in ("_deployment_id", "_deployment_parameters", "AssetContext")):
+        return "prefect.context lacks the deployment context variables or AssetContext"
+    if list(inspect.signature(hydrated_context).parameters) != ["serialized_context", "client"]:
+        return "prefect.context.hydrated_context changed its signature"
+    return None
+
+
+# ------------------------------------------------------------------------------------------ flow side
+
+
+@dataclass(frozen=True)
+class SettingsPayload:
+    """Prefect's serialized settings and their content hash: the worker validates each hash once."""
+
+    key: str
+    data: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class TaskCall:
+    key: str  # the dask key
+    task_run_id: uuid.UUID
+    kwargs: dict[str, Any]  # for run_task
+
+
+@dataclass
+class Submitter:
+    """Flow side of one task runner: builds run_task's arguments for each submitted task.
+
+    The context is Prefect's `serialize_context()`, composed here from the same parts, with the two parts
+    that are the same for every task of a flow run serialized once: the settings (per settings object;
+    they travel as a SettingsPayload) and the flow run context (per flow run context object and flow run
+    state). The first task's context is compared with Prefect's own; if they differ, None: plain path.
+    """
+
+    _settings_key: Any = None  # the SettingsContext the payload was made from (held: compared by identity)
+    _payload: SettingsPayload | None = None
+    _flow_key: tuple[Any, ...] | None = None
+    _flow_data: dict[str, Any] = field(default_factory=dict)
+    _flow_pickled: Any = None
+    _verified: bool = False
+
+    def task_call(self, task: Any, parameters: dict[str, Any], wait_for: Any,
+                  dependencies: dict[str, set[Any]] | None) -> TaskCall | None:
+        """run_task's arguments, or None when this Prefect's context differs from what run_task expects."""
+        from distributed import Future
+        from prefect.utilities.engine import collect_task_run_inputs_sync
+
+        task_run_id = uuid.uuid4()
+        inputs = {k: set() if is_plain(v) else collect_task_run_inputs_sync(v, future_cls=Future)
+                  for k, v in parameters.items()}
+        if dependencies:  # as prefect_dask.client.PrefectDaskClient.submit merges them
+            inputs = {k: v.union(dependencies.get(k, set())) for k, v in inputs.items()}
+        asset = {"task": task, "task_run_id": task_run_id, "task_inputs": inputs, "copy_to_child_ctx": True}
+        context = self._context(asset)
+        if not self._verified:
+            if context != {**serialize_context(asset_ctx_kwargs=asset), "settings_context": {}}:
+                return None
+            self._verified = True
+        if context["flow_run_context"]:
+            context["flow_run_context"] = self._flow_pickled  # the same bytes for every task of the flow run
+        kwargs = {"task": task, "task_run_id": task_run_id, "parameters": parameters, "wait_for": wait_for,
+                  "return_type": "state", "dependencies": inputs, "context": context,
+                  "settings": self._settings()}
+        return TaskCall(key=f"{task.name}-{task_run_id.hex}", task_run_id=task_run_id, kwargs=kwargs)
+
+    def _context(self, asset_ctx_kwargs: dict[str, Any]) -> dict[str, Any]:
+        """`serialize_context(asset_ctx_kwargs)` of prefect 3.8, less the settings (sent separately)."""
+        from prefect.context import (AssetContext, TagsContext, TaskRunContext, _deployment_id,
+                                     _deployment_parameters)
+
+        task_run_context, tags_context = TaskRunContext.get(), TagsContext.get()
+        deployment_id = _deployment_id.get()
+        return {
+            "flow_run_context": self._flow_run_context(),
+            "task_run_context": task_run_context.serialize() if task_run_context else {},
+            "tags_context": tags_context.serialize() if tags_context else {},
+            "settings_context": {},
+            "asset_context": AssetContext.from_task_and_inputs(**asset_ctx_kwargs).serialize(),
+            "deployment_id": str(deployment_id) if deployment_id else None,
+            "deployment_parameters": _deployment_parameters.get(),
+        }
+
+    def _flow_run_context(self) -> dict[str, Any]:
+        """The flow run context serialized once per flow run: its result store alone costs ~20 ms to dump
+        (a JSON schema per block per call). Re-done if the context, its flow run or that run's state change."""
+        from prefect.context import EngineContext
+
+        context = EngineContext.get()
+        if context is None:
+            return {}
+        flow_run = context.flow_run
+        key = (context, flow_run, getattr(flow_run, "state_id", None), context.parameters, context.result_store)
+        if self._flow_key is None or any(a is not b for a, b in zip(key, self._flow_key)):
+            self._flow_key, self._flow_data = key, context.serialize()
+            self._flow_pickled = Pickled(self._flow_data)
+        return self._flow_data
+
+    def _settings(self) -> SettingsPayload | None:
+        current = SettingsContext.get()
+        if current is None:
+            return None
+        if current is not self._settings_key:
+            data = current.serialize()
+            digest = hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
+            self._settings_key, self._payload = current, SettingsPayload(digest, data)
+        return self._payload
+
+
+def is_plain(value: Any) -> bool:
+    """A value that holds no futures or states: Prefect's visit_collection need not walk it."""
+    return type(value) in (int, float, str, bool, bytes, type(None))
+
+
+class Pickled:
+    """A value pickled once and sent as those bytes with every task (cloudpickle: the flow may live in
+    __main__); it unpickles as the value itself."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, value: Any) -> None:
+        import cloudpickle
+
+        self.data = cloudpickle.dumps(value)
+
+    def __reduce__(self) -> tuple[Any, tuple[bytes]]:
+        import pickle
+
+        return pickle.loads, (self.data,)
+
+
+def await_recorded(task_run_ids: list[uuid.UUID], timeout: float) -> int:
+    """Wait until Prefect's API holds each of these task runs in a final state; return how many it lacks.
+
+    Prefect 3 records task runs from the events their workers send, and the server persists them a little
+    later (here 2–6 s behind 300 tasks at ~60 tasks/s). Waiting at the end of the flow keeps what plain
+    prefect-dask's slowness gave for free: when the flow returns, the API shows every finished task.
+    The server is asked for counts only, with backoff: it is busy catching up.
+    """
+    import time
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterId, TaskRunFilterState, TaskRunFilterStateType
+    from prefect.client.schemas.objects import StateType
+
+    final = TaskRunFilterState(type=TaskRunFilterStateType(any_=[
+        StateType.COMPLETED, StateType.FAILED, StateType.CRASHED, StateType.CANCELLED]))
+    ids = list(dict.fromkeys(task_run_ids))
+    chunks = [ids[i:i + 1000] for i in range(0, len(ids), 1000)]
+    deadline, pause = time.monotonic() + timeout, 0.1
+    with get_client(sync_client=True) as client:
+
+        def recorded(chunk: list[uuid.UUID]) -> bool:
+            body = TaskRunFilter(id=TaskRunFilterId(any_=chunk), state=final).model_dump(mode="json")
+            response = client.request("POST", "/task_runs/count", json={"task_runs": body})
+            response.raise_for_status()
+            return int(response.json()) >= len(chunk)
+
+        while chunks:
+            chunks = [c for c in chunks if not recorded(c)]
+            if not chunks or time.monotonic() > deadline:
+                break
+            time.sleep(pause)
+            pause = min(pause * 1.5, 2.0)
+    return sum(len(c) for c in chunks)
+
+
+# ---------------------------------------------------------------------------------------- worker side
+
+
+class _WorkerState(threading.local):
+    clients: dict[str, Any]
+
+    def __init__(self) -> None:
+        self.clients = {}  # settings hash -> open SyncClientContext, for this worker thread
+
+
+_local = _WorkerState()
+_settings: OrderedDict[str, SettingsContext] = OrderedDict()  # settings hash -> validated context
+_lock = threading.Lock()
+_stats = {"settings_validated": 0, "clients_built": 0, "tasks": 0}
+_open_clients: list[Any] = []
+MAX_SETTINGS = 8
+
+
+def run_task(*, task: Any, task_run_id: uuid.UUID, parameters: dict[str, Any], wait_for: Any,
+             return_type: str, dependencies: Any, context: dict[str, Any],
+             settings: SettingsPayload | None) -> Any:
+    """Run one task through Prefect's engine, inside this worker's cached settings and client."""
+    from prefect.task_engine import run_task_async, run_task_sync
+
+    with _entered(SettingsContext, _settings_for(settings) if settings else None):
+        client_context = _client_for(settings.key) if settings else None
+        with _entered(SyncClientContext, client_context):
+            with _lock:
+                _stats["tasks"] += 1
+            call = dict(task=task, task_run_id=task_run_id, parameters=parameters, wait_for=wait_for,
+                        return_type=return_type, dependencies=dependencies, context=context)
+            if task.isasync:
+                return asyncio.run(run_task_async(**call))
+            return run_task_sync(**call)
+
+
+def worker_stats() -> dict[str, int]:
+    """How often this process validated settings, built a Prefect client, and ran a task here."""
+    return dict(_stats)
+
+
+def _settings_for(payload: SettingsPayload) -> SettingsContext:
+    with _lock:
+        context = _settings.get(payload.key)
+        if context is None:
+            context = SettingsContext(**payload.data)  # what hydrated_context does for every task
+            _stats["settings_validated"] += 1
+            _settings[payload.key] = context
+            while len(_settings) > MAX_SETTINGS:
+                _settings.popitem(last=False)
+        else:
+            _settings.move_to_end(payload.key)
+        return context
+
+
+def _client_for(key: str) -> Any:
+    """An open sync client for this thread and these settings (the settings context is entered)."""
+    context = _local.clients.get(key)
+    if context is None:
+        context = SyncClientContext()  # get_client(sync_client=True): reads the API URL from the settings
+        context.client.__enter__()
+        if SettingsContext.get().settings.client.server_version_check_enabled:
+            context.client.raise_for_api_version_mismatch_once()
+        with _lock:
+            _stats["clients_built"] += 1
+            _open_clients.append(context.client)
+        _local.clients[key] = context
+    return context
+
+
+class _entered:
+    """Make `value` the current context of its kind for the block (a cached context is shared by
+    successive tasks, so it is set through the ContextVar rather than entered, which Prefect forbids twice)."""
+
+    def __init__(self, kind: Any, value: Any) -> None:
+        self.var, self.value, self.token = kind.__var__, value, None
+
+    def __enter__(self) -> None:
+        if self.value is not None:
+            self.token = self.var.set(self.value)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.token is not None:
+            self.var.reset(self.token)
+
+
+@atexit.register
+def _close_clients() -> None:
+    for client in _open_clients:
+        try:
+            client.__exit__(None, None, None)
+        except Exception:  # noqa: BLE001 - the process is exiting; a half-closed socket is harmless
+            pass

@@ -1,0 +1,78 @@
+"""bench/: its arithmetic (lower bound, GPU overlaps, ratios, goals), its report, and one quick run of the
+whole thing (`python -m bench --quick`) so that it cannot rot. Nothing here asserts a timing."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.common import Figure, compare, ratio_to_best
+from bench.packing import gpu_overlaps, lower_bound
+from bench.report import markdown
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def trial(node: str, gpu: str, start: float, end: float) -> dict[str, object]:
+    return {"kind": "gpu", "node": node, "gpu": gpu, "start": start, "end": end}
+
+
+def test_lower_bound_is_the_busier_of_gpus_and_threads_plus_the_aggregation() -> None:
+    assert lower_bound(48, 16, 1.0, 0.1, gpus=8, threads=16) == pytest.approx(6.1)  # GPUs bind
+    assert lower_bound(8, 56, 1.0, 0.0, gpus=8, threads=16) == pytest.approx(4.0)  # threads bind
+
+
+def test_gpu_overlaps_counts_trials_sharing_one_physical_gpu() -> None:
+    back_to_back = [trial("n1", "0", 0, 1), trial("n1", "0", 1, 2), trial("n2", "0", 0, 2)]
+    assert gpu_overlaps(back_to_back) == (0, 1)  # same id on another node is another GPU
+    crowded = [trial("n1", "0", 0, 2), trial("n1", "0", 0.5, 1.5), trial("n1", "0", 1, 3), trial("n1", "1", 0, 3)]
+    assert gpu_overlaps(crowded) == (3, 3)
+    assert gpu_overlaps([{"kind": "cpu", "node": "n1", "gpu": None, "start": 0, "end": 1}] * 2) == (0, 0)
+
+
+def test_ratios_and_goals_are_against_peers_of_the_same_group() -> None:
+    figures = [Figure("g", "ours", "s", [1.0, 2.0, 3.0], ours=True), Figure("g", "a", "s", [4.0]),
+               Figure("g", "b", "s", [2.5]), Figure("other", "c", "s", [0.1])]
+    compare(figures, "<= 0.8x the best peer", lambda o, peers: ratio_to_best(o, peers) <= 0.8)
+    assert figures[0].ratios == {"a": 0.5, "b": 0.8}
+    assert figures[0].met is True and figures[0].goal == "<= 0.8x the best peer"
+    faster = [Figure("g", "ours", "tasks/s", [50], ours=True, higher_is_better=True),
+              Figure("g", "plain", "tasks/s", [10], higher_is_better=True)]
+    compare(faster, ">= 5x", lambda o, peers: o.ratios["plain"] >= 5)
+    assert faster[0].ratios == {"plain": 5.0} and faster[0].met is True
+
+
+def test_report_shows_every_figure_with_its_goal_and_misses_in_bold() -> None:
+    ours = Figure("start-up", "hpc-garage", "s", [5.0, 6.0, 7.0], ours=True)
+    peer = Figure("start-up", "peer", "s", [2.0])
+    compare([ours, peer], "<= 0.8x the best peer", lambda o, peers: ratio_to_best(o, peers) <= 0.8)
+    report = {"machine": {"date": "today", "cpu": "x"}, "quick": False, "runs": 3, "seconds": 12.0,
+              "benchmarks": {"startup": {"figures": [ours.to_dict(), peer.to_dict()]},
+                             "packing": {"skipped": "no SLURM"}}}
+    text = markdown(report)
+    assert "| start-up | **hpc-garage** | 6.00 s | 5.00 s – 7.00 s | 3.00× peer | <= 0.8x the best peer | **no** |" in text
+    assert "|  | peer | 2.00 s |" in text
+    assert "skipped: no SLURM" in text and "- cpu: x" in text
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+def test_quick_bench_runs_every_benchmark(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "bench", "--quick", "--out", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "latest.json").read_text())
+    assert set(report["benchmarks"]) == {"cli", "overhead", "packing", "startup"}
+    for name, section in report["benchmarks"].items():
+        assert section.get("figures"), (name, section)
+        ours = [f for f in section["figures"] if f["ours"]]
+        assert ours and all(f["values"] for f in ours), (name, ours)
+    groups = {f["group"] for s in report["benchmarks"].values() for f in s["figures"]}
+    assert any(g.startswith("start-up, 1 node") for g in groups) and any("login node" in g for g in groups)
+    recorded = report["benchmarks"]["overhead"]["recorded_in_api"]
+    assert recorded and all(r["completed"] == r["submitted"] for r in recorded)
+    assert "| benchmark | who | median |" in (tmp_path / "latest.md").read_text()

@@ -1,0 +1,291 @@
+"""HpcTaskRunner's fast path (hpc_garage.prefect_fast) against real Prefect and real Dask: it is engaged,
+and Prefect still sees every task, its state and its result; placement, failures and retries as before.
+No timings here: bench/ measures speed."""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import cloudpickle
+import pytest
+from distributed import Client, Nanny, Scheduler, SpecCluster, get_worker
+from prefect import flow, task
+from prefect.context import FlowRunContext
+from prefect_dask import DaskTaskRunner
+
+import hpc_garage
+from hpc_garage import prefect_fast
+from hpc_garage.prefect import HpcTaskRunner, task_runner, use_api
+from hpc_garage.prefect_server import ensure_api, stop_server
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # worker processes cannot import this file
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """One hpc-garage Prefect server for this module, in a private HOME (results persist under it)."""
+    home = tmp_path_factory.mktemp("home")
+    saved = dict(os.environ)
+    os.environ["HOME"] = str(home)
+    for name in ("PREFECT_API_URL", "PREFECT_PROFILE", "PREFECT_HOME", "HPC_GARAGE_SCHEDULER_FILE",
+                 prefect_fast.DISABLE_ENV):
+        os.environ.pop(name, None)
+    env = ensure_api()
+    use_api(env)
+    yield env
+    stop_server()
+    os.environ.clear()
+    os.environ.update(saved)
+    import prefect.context
+
+    prefect.context.refresh_global_settings_context()
+
+
+@pytest.fixture(scope="module")
+def cluster(api: dict[str, str]) -> Iterator[SpecCluster]:
+    """One worker with a GPU, one without, two threads each: what the placement tests need."""
+    scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard_address": ":0"}}
+    workers = {"gpu": {"cls": Nanny, "options": {"nthreads": 2, "resources": {"GPU": 1, "CPU": 2}}},
+               "cpu": {"cls": Nanny, "options": {"nthreads": 2, "resources": {"CPU": 2}}}}
+    with SpecCluster(workers=workers, scheduler=scheduler) as c:
+        yield c
+
+
+@pytest.fixture
+def runner(cluster: SpecCluster) -> HpcTaskRunner:
+    return task_runner(address=cluster.scheduler_address)
+
+
+def stats(cluster: SpecCluster) -> dict[str, dict[str, int]]:
+    """prefect_fast's counters in each worker process, by worker name."""
+    with Client(cluster.scheduler_address) as client:
+        by_address = client.run(prefect_fast.worker_stats)
+        names = {a: w["name"] for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
+    return {names[a]: s for a, s in by_address.items()}
+
+
+def delta(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]], key: str) -> dict[str, int]:
+    return {name: after[name][key] - before.get(name, {}).get(key, 0) for name in after}
+
+
+def task_runs(flow_run_id: Any) -> list[Any]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        return client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
+                                     limit=200)
+
+
+# ---------------------------------------------------------------------------------------------- tasks
+
+
+@task
+def square(i: int) -> int:
+    return i * i
+
+
+@task(persist_result=True)
+def kept(i: int) -> dict[str, int]:
+    return {"i": i, "cube": i ** 3}
+
+
+@task(tags=hpc_garage.resources(gpu=1))
+def on_gpu(i: int) -> str:
+    return str(get_worker().name)
+
+
+@task(retries=2)
+def always_fails(i: int) -> None:
+    raise ValueError(f"no luck {i}")
+
+
+@task(retries=1)
+def fails_once() -> int:
+    from prefect.runtime import task_run
+
+    if task_run.run_count < 2:
+        raise RuntimeError("first attempt fails")
+    return int(task_run.run_count)
+
+
+@task
+def add(x: int, y: int) -> int:
+    return x + y
+
+
+# ------------------------------------------------------------------------------ the fast path is used
+
+
+def test_set_up_is_done_once_per_worker_not_per_task(runner: HpcTaskRunner, cluster: SpecCluster) -> None:
+    before = stats(cluster)
+
+    @flow(task_runner=runner)
+    def many() -> list[int]:
+        return [f.result() for f in square.map(range(40))]
+
+    assert many() == [i * i for i in range(40)]
+    after = stats(cluster)
+    ran = delta(before, after, "tasks")
+    assert sum(ran.values()) == 40  # every task went through prefect_fast.run_task, none through prefect-dask's
+    for name, count in ran.items():
+        if count:
+            # one client per worker thread (2 here) and one validation of the settings per process, ever,
+            # where prefect-dask builds two clients and validates the settings for every task
+            assert after[name]["clients_built"] <= 2, (name, after[name])
+            assert after[name]["settings_validated"] == 1, (name, after[name])
+
+
+def test_flow_side_serializes_settings_and_flow_context_once(runner: HpcTaskRunner, monkeypatch: pytest.MonkeyPatch) -> None:
+    from prefect.context import EngineContext, SettingsContext
+
+    calls = {"settings": 0, "flow": 0}
+    for kind, cls in (("settings", SettingsContext), ("flow", EngineContext)):
+        original = cls.serialize
+
+        def counted(self: Any, *args: Any, _original: Any = original, _kind: str = kind, **kwargs: Any) -> Any:
+            calls[_kind] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "serialize", counted)
+
+    @flow(task_runner=runner)
+    def many() -> list[int]:
+        return [f.result() for f in square.map(range(30))]
+
+    assert many() == [i * i for i in range(30)]
+    # once for the payload, once more for the first task's check against Prefect's own serialize_context;
+    # prefect-dask serializes both for every one of the 30 tasks
+    assert calls == {"settings": 2, "flow": 2}
+
+
+def test_dask_keys_name_the_task_and_its_run(runner: HpcTaskRunner) -> None:
+    @flow(task_runner=runner)
+    def keyed() -> tuple[str, Any]:
+        future = square.submit(3)
+        future.wait()
+        return future.wrapped_future.key, future.task_run_id
+
+    key, run_id = keyed()
+    assert key == f"square-{uuid.UUID(str(run_id)).hex}"
+
+
+# ------------------------------------------------------------------------- what Prefect's API records
+
+
+def test_every_task_run_its_state_and_result_reach_prefect(runner: HpcTaskRunner) -> None:
+    @flow(task_runner=runner)
+    def sweep() -> tuple[list[Any], list[int]]:
+        squares = square.map(range(25))
+        sums = [add.submit(a, b) for a, b in zip(squares, squares[1:])]  # futures as arguments
+        kept_ = kept.map(range(5))
+        return [f.task_run_id for f in [*squares, *sums, *kept_]], [f.result() for f in sums]
+
+    state = sweep(return_state=True)
+    ids, sums = state.result()
+    assert sums == [a * a + b * b for a, b in zip(range(25), range(1, 25))]
+    runs = {r.id: r for r in task_runs(state.state_details.flow_run_id)}  # read at once: the runner waited
+    assert set(runs) == set(ids) and len(runs) == 25 + 24 + 5
+    assert {r.state.type.value for r in runs.values()} == {"COMPLETED"}
+    assert all(r.run_count == 1 for r in runs.values())
+    # upstream links survive: each add run has its two square runs as inputs
+    adds = [r for r in runs.values() if r.task_key.startswith("add")]
+    assert all({i.id for i in r.task_inputs["x"] + r.task_inputs["y"]} <= set(runs) for r in adds)
+    assert all(len(r.task_inputs["x"]) == 1 for r in adds)
+    # a persisted result is readable from the API's state, as under prefect-dask
+    persisted = sorted(r.state.result()["cube"] for r in runs.values() if r.task_key.startswith("kept"))
+    assert persisted == [i ** 3 for i in range(5)]
+
+
+def test_tagged_tasks_still_land_on_the_worker_with_the_resource(runner: HpcTaskRunner, cluster: SpecCluster) -> None:
+    before = stats(cluster)
+
+    @flow(task_runner=runner)
+    def placed() -> list[str]:
+        return on_gpu.map(range(12)).result()
+
+    assert set(placed()) == {"gpu"}
+    assert delta(before, stats(cluster), "tasks") == {"gpu": 12, "cpu": 0}  # and through the fast path
+
+
+# ----------------------------------------------------------------------------- failures and retries
+
+
+def outcome(task_runner_: Any) -> dict[str, Any]:
+    @flow(task_runner=task_runner_)
+    def retried() -> tuple[str, int]:
+        failing = always_fails.submit(7)
+        failing.wait()
+        try:
+            failing.result()
+            raised = "nothing"
+        except ValueError as exc:
+            raised = f"ValueError: {exc}"
+        return raised, fails_once.submit().result()
+
+    state = retried(return_state=True)
+    raised, count = state.result()
+    runs = task_runs(state.state_details.flow_run_id)
+    return {"raised": raised, "fails_once returned": count,
+            "runs": sorted((r.name.rsplit("-", 1)[0], r.state.type.value, r.state.name, r.run_count) for r in runs)}
+
+
+def test_failures_and_retries_match_plain_prefect_dask(runner: HpcTaskRunner, cluster: SpecCluster) -> None:
+    ours = outcome(runner)
+    assert ours == {"raised": "ValueError: no luck 7", "fails_once returned": 2,
+                    "runs": [("always_fails", "FAILED", "Failed", 3), ("fails_once", "COMPLETED", "Completed", 2)]}
+    assert ours == outcome(DaskTaskRunner(address=cluster.scheduler_address))
+
+
+def test_a_failed_flow_still_raises_the_task_error(runner: HpcTaskRunner) -> None:
+    @flow(task_runner=runner, retries=0)
+    def doomed() -> None:
+        always_fails.with_options(retries=0).submit(1).result()
+
+    with pytest.raises(ValueError, match="no luck 1"):
+        doomed()
+
+
+# ------------------------------------------------------------------------------ the fallback path
+
+
+def test_switched_off_it_is_plain_prefect_dask(runner: HpcTaskRunner, cluster: SpecCluster,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(prefect_fast.DISABLE_ENV, "0")
+    before = stats(cluster)
+
+    @flow(task_runner=runner)
+    def plain() -> list[int]:
+        return [f.result() for f in square.map(range(6))]
+
+    assert plain() == [i * i for i in range(6)]
+    assert sum(delta(before, stats(cluster), "tasks").values()) == 0
+
+
+def test_an_unknown_prefect_version_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert prefect_fast.problem() is None
+    monkeypatch.setattr(prefect_fast.prefect, "__version__", "3.99.0")
+    assert "outside" in (prefect_fast.problem() or "")
+
+
+def test_a_context_prefect_composes_differently_falls_back(runner: HpcTaskRunner, cluster: SpecCluster,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    real = prefect_fast.serialize_context
+    monkeypatch.setattr(prefect_fast, "serialize_context", lambda **kw: {**real(**kw), "new_part": {}})
+    before = stats(cluster)
+
+    @flow(task_runner=runner)
+    def drifted() -> tuple[list[int], bool]:
+        values = [f.result() for f in square.map(range(4))]
+        return values, FlowRunContext.get().task_runner._submitter is False
+
+    values, fell_back = drifted()
+    assert values == [0, 1, 4, 9] and fell_back
+    assert sum(delta(before, stats(cluster), "tasks").values()) == 0
+
