@@ -51,3 +51,24 @@ def read_env_dump(path: Path) -> dict[str, str]:
             key, _, value = line.partition("=")
             env[key] = value
     return env
+
+
+_exit_status: list[int] = []
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    _exit_status.append(int(exitstatus))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Leave without running atexit handlers once pytest has reported.
+
+    Prefect's API log and event workers drain at interpreter exit with no time limit; after a test module has
+    stopped its Prefect server they retry for ever ("Still processing items"), and the finished run never exits.
+    """
+    import sys
+
+    if _exit_status and "prefect" in sys.modules:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_exit_status[-1])
