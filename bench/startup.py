@@ -26,7 +26,6 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from bench.common import (BIN, PYTHON, ROOT, SCRIPTS, Figure, Jobs, compare, ratio_to_best, read_json_when_ready,
                           say, scratch, wait_for_free_nodes)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import importlib.util
 import json
 import os
@@ -247,6 +249,7 @@ def test_handoff_file_with_tls(api: dict[str, str], tmp_path: Path, monkeypatch:
         with pytest.raises(TypeError, match="TLS expects"):  # no credentials: not even attempted
             Client(address, timeout=3)
         for stranger in (address.replace("tls://", "tcp://"), address):  # plain tcp; another job's certificate
+            gc.collect()  # a failed Client collected while the next holds distributed's LoopRunner lock can hang
             with pytest.raises((OSError, TimeoutError)):
                 Client(stranger, timeout=3, security=Security.temporary() if "tls" in stranger else None)
 
