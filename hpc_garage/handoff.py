@@ -4,6 +4,7 @@ Per job, `<run_directory>/<job id>/` (0700) holds:
   scheduler.json   Dask's scheduler-file format (`Client(scheduler_file=…)` reads its `address`) plus an
                    `hpc_garage` section: job id, TLS file paths, the Prefect API, the workers started. It is
                    written last, once every worker has registered, so its presence means "ready". 0600.
+                   COMMAND starts before that (its imports overlap the workers' start) and waits for it.
   tls/             per-job key and certificate (Security.temporary), 0600: without them a client is refused.
   dask-scheduler.json  what the Dask scheduler itself writes; internal.
 The flow finds the file through $HPC_GARAGE_SCHEDULER_FILE, which `run` exports to COMMAND.
@@ -14,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 SCHEDULER_FILE_ENV = "HPC_GARAGE_SCHEDULER_FILE"
 JOB_ID_ENV = "HPC_GARAGE_JOB_ID"
 RUN_DIR_ENV = "HPC_GARAGE_RUN_DIR"
+START_TIMEOUT_ENV = "HPC_GARAGE_START_TIMEOUT"  # how long `run` gives its workers; COMMAND waits as long
 HANDOFF_FILES = ("scheduler.json", "dask-scheduler.json", "tls", "workers")
 
 
@@ -78,6 +80,12 @@ class RunDir:
         tls.mkdir(mode=0o700, exist_ok=True)
         write_private(tls / "cert.pem", temporary.tls_ca_file)
         write_private(tls / "key.pem", temporary.tls_client_key)
+        return self.credential_paths()
+
+    def credential_paths(self) -> dict[str, str]:
+        """Where `write_credentials` puts them, as Security keyword arguments: known before they exist, so
+        workers and COMMAND can be started while the credentials (and the scheduler) are made."""
+        tls = self.path / "tls"
         cert, key = str(tls / "cert.pem"), str(tls / "key.pem")
         return {
             "tls_ca_file": cert,
@@ -131,8 +139,10 @@ class Handoff:
         return Security(require_encryption=True, **self.tls)
 
     @classmethod
-    def read(cls, path: str | Path, *, expect_job: str | None = None, timeout: float = 0) -> Handoff:
-        """Read a scheduler file, waiting up to `timeout` s for it; refuse one from another job."""
+    def read(cls, path: str | Path, *, expect_job: str | None = None, timeout: float = 0,
+             given_up: Callable[[], bool] = lambda: False) -> Handoff:
+        """Read a scheduler file, waiting up to `timeout` s for it (less if `given_up()`: its writer stopped);
+        refuse one from another job."""
         path = Path(path).expanduser()
         deadline = time.monotonic() + timeout
         while True:
@@ -140,6 +150,9 @@ class Handoff:
                 data = json.loads(path.read_text())
                 break
             except FileNotFoundError:
+                if given_up():
+                    raise UserError(f"`hpc-garage run` stopped before its workers were up (no {path}); "
+                                    "see its messages above") from None
                 if time.monotonic() >= deadline:
                     waited = f" after waiting {timeout:.0f} s" if timeout else ""
                     raise UserError(
@@ -149,7 +162,7 @@ class Handoff:
             except json.JSONDecodeError:
                 if time.monotonic() >= deadline:
                     raise UserError(f"scheduler file {path} is not valid JSON; delete it and rerun the job") from None
-            time.sleep(0.2)
+            time.sleep(0.05)
         ours = data.get("hpc_garage")
         if not isinstance(ours, dict) or "address" not in data:
             raise UserError(f"{path} is not an hpc-garage scheduler file (no 'hpc_garage' section); point "
@@ -169,10 +182,23 @@ class Handoff:
         )
 
 
-def handoff_from_env(env: Mapping[str, str] | None = None, timeout: float = 60) -> Handoff | None:
-    """The cluster this process was handed through $HPC_GARAGE_SCHEDULER_FILE, or None when it is unset."""
+def handoff_from_env(env: Mapping[str, str] | None = None, timeout: float | None = None) -> Handoff | None:
+    """The cluster this process was handed through $HPC_GARAGE_SCHEDULER_FILE, or None when it is unset.
+
+    Under `hpc-garage run` this waits while the workers start: as long as `run` gives them, and no longer
+    than `run` itself is starting (its state.json says when it gave up)."""
     env = os.environ if env is None else env
     path = env.get(SCHEDULER_FILE_ENV)
     if not path:
         return None
-    return Handoff.read(path, expect_job=env.get(JOB_ID_ENV), timeout=timeout)
+    if timeout is None:
+        timeout = float(env.get(START_TIMEOUT_ENV) or 60) + 30
+    state = Path(env[RUN_DIR_ENV]) / "state.json" if env.get(RUN_DIR_ENV) else None
+
+    def given_up() -> bool:
+        try:
+            return state is not None and json.loads(state.read_text()).get("phase") in ("failed", "done")
+        except (OSError, ValueError):
+            return False
+
+    return Handoff.read(path, expect_job=env.get(JOB_ID_ENV), timeout=timeout, given_up=given_up)

@@ -24,8 +24,9 @@ from typing import Any
 
 from hpc_garage.allocation import Allocation, in_batch_job
 from hpc_garage.errors import UserError
-from hpc_garage.handoff import JOB_ID_ENV, RUN_DIR_ENV, SCHEDULER_FILE_ENV, Handoff, RunDir, write_private
-from hpc_garage.launchers.common import Launcher, security_from
+from hpc_garage.handoff import (JOB_ID_ENV, RUN_DIR_ENV, SCHEDULER_FILE_ENV, START_TIMEOUT_ENV, Handoff, RunDir,
+                               write_private)
+from hpc_garage.launchers.common import Launcher, listening_host, security_from
 from hpc_garage.layout import Plan, plan
 from hpc_garage.site import Site
 
@@ -93,46 +94,58 @@ def run(site: Site, command: list[str], *, insecure: bool = False, timeout: floa
 
 async def _serve(site: Site, plan_: Plan, launcher: Launcher, rundir: RunDir, job_id: str,
                  command: list[str], env: dict[str, str], insecure: bool, timeout: float) -> int:
-    from distributed import Scheduler
-
+    """Start COMMAND, the workers and the scheduler at once (their imports overlap), publish the scheduler
+    file once every worker has registered (COMMAND's task runner waits for it), end when COMMAND does."""
     logging.getLogger("distributed").setLevel(env["DASK_LOGGING__DISTRIBUTED"].upper())
     expected = [w.name for w in plan_.workers]
     state = RunState(rundir, len(expected))
     state("starting", workers=0, job_id=job_id, site=site.name)
-    tls = None if insecure else rundir.write_credentials()
     started = time.monotonic()
-    scheduler = Scheduler(port=0, dashboard_address=":0", security=security_from(tls),
-                          protocol="tls" if tls else "tcp", scheduler_file=str(rundir.dask_scheduler_file),
-                          **launcher.scheduler_host)
+    tls = None if insecure else rundir.credential_paths()
+    api_env = _prefect_api(listening_host(launcher.scheduler_host))
+    worker_env = {**site.env, **api_env, SITE_ENV: site.name,
+                  "DASK_LOGGING__DISTRIBUTED": env["DASK_LOGGING__DISTRIBUTED"]}
+    child_env = {**env, **api_env, SCHEDULER_FILE_ENV: str(rundir.scheduler_file), JOB_ID_ENV: job_id,
+                 RUN_DIR_ENV: str(rundir.path), SITE_ENV: site.name, START_TIMEOUT_ENV: f"{timeout:g}",
+                 **launcher.command_env}
+    scheduler: Any = None
     code: int | None = None
+    proc: asyncio.subprocess.Process | None = None
     interrupted = _stop_on_signals()
     try:
+        await launcher.prepare(tls, worker_env, rundir, timeout)
+        proc = await _start_command(command, child_env, interrupted)  # it imports Prefect while the cluster starts
+        from distributed import Scheduler  # about a second of imports, while the others start
+
+        if tls is not None:
+            rundir.write_credentials()
+        scheduler = Scheduler(port=0, dashboard_address=":0", security=security_from(tls),
+                              protocol="tls" if tls else "tcp", scheduler_file=str(rundir.dask_scheduler_file),
+                              **launcher.scheduler_host)
         await scheduler
-        api_env = _prefect_api(scheduler.address)
-        worker_env = {**site.env, **api_env, SITE_ENV: site.name,
-                      "DASK_LOGGING__DISTRIBUTED": env["DASK_LOGGING__DISTRIBUTED"]}
         await launcher.start(scheduler.address, tls, worker_env, rundir)
-        await _wait(scheduler, expected, timeout, launcher, state)
-        say(f"{len(expected)} workers registered in {time.monotonic() - started:.1f} s; scheduler {scheduler.address}")
-        handoff = Handoff(address=scheduler.address, job_id=job_id, tls=tls,
-                          prefect_api_url=api_env.get("PREFECT_API_URL"), workers=expected, site=site.name)
-        path = rundir.publish(handoff)
-        child_env = {**env, **api_env, SCHEDULER_FILE_ENV: str(path), JOB_ID_ENV: job_id,
-                     RUN_DIR_ENV: str(rundir.path), SITE_ENV: site.name, **launcher.command_env}
-        state("running", workers=len(expected))
-        code = await _run_command(command, child_env)
+        if await _wait(scheduler, expected, timeout, launcher, state, proc):
+            say(f"{len(expected)} workers registered in {time.monotonic() - started:.1f} s; scheduler {scheduler.address}")
+            handoff = Handoff(address=scheduler.address, job_id=job_id, tls=tls,
+                              prefect_api_url=api_env.get("PREFECT_API_URL"), workers=expected, site=site.name)
+            rundir.publish(handoff)
+            state("running", workers=len(expected))
+        code = await _command_exit(proc)
     except asyncio.CancelledError:
         if not interrupted:
             raise
-        say(f"signal {interrupted[0]} before COMMAND started: tearing down")
+        say(f"signal {interrupted[0]} before the workers were up: tearing down")
     finally:
         _on_signals(lambda sig: say(f"signal {sig} ignored: tearing down (stopping workers, cancelling jobs)"))
+        if code is None and proc is not None:
+            await _end_command(proc)
         launcher.draining()
         for name in ("scheduler.json", "dask-scheduler.json", "tls", "ranks.json"):
             target = rundir.path / name
             shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
-        await _retire(scheduler)
-        await scheduler.close(reason="hpc-garage run: command finished")
+        if scheduler is not None:
+            await _retire(scheduler)
+            await scheduler.close(reason="hpc-garage run: command finished")
         await launcher.stop()
         state("done" if code is not None else "failed", exit_code=code)
     return code if code is not None else 128 + interrupted[0] if interrupted else 1
@@ -174,45 +187,78 @@ async def _retire(scheduler: Any) -> None:
             await asyncio.sleep(0.05)
 
 
-async def _wait(scheduler: Any, expected: list[str], timeout: float, launcher: Launcher, state: RunState) -> None:
+async def _wait(scheduler: Any, expected: list[str], timeout: float, launcher: Launcher, state: RunState,
+                proc: asyncio.subprocess.Process) -> bool:
+    """True once every worker has registered; False if COMMAND failed first (its error is the story then).
+    A COMMAND that succeeds without the cluster (`run -- true`, a smoke test) still waits for the workers."""
     from hpc_garage.launchers.common import wait_for_workers
 
-    await wait_for_workers(
+    waiting = asyncio.ensure_future(wait_for_workers(
         lambda: (ws.name for ws in scheduler.workers.values()),
         expected,
         timeout,
         alive=launcher.failure,
         progress=lambda k, n: state("workers", workers=k),
-    )
+    ))
+    exited = asyncio.ensure_future(proc.wait())
+    try:
+        await asyncio.wait({waiting, exited}, return_when=asyncio.FIRST_COMPLETED)
+        if waiting.done() or proc.returncode == 0:
+            await waiting
+            return True
+        waiting.cancel()
+        say(f"COMMAND exited with code {proc.returncode} before the workers were up")
+        return False
+    finally:
+        for task in (waiting, exited):
+            if not task.done():
+                task.cancel()
 
 
-def _prefect_api(scheduler_address: str) -> dict[str, str]:
+def _prefect_api(host: str) -> dict[str, str]:
     """One Prefect API for the flow and every worker (else each worker starts its own temporary server).
 
     It listens where the scheduler does, so every worker that reaches one reaches the other.
     """
-    from distributed.comm import get_address_host
-
     from hpc_garage.prefect_server import ensure_api
 
-    return ensure_api(host=get_address_host(scheduler_address))
+    return ensure_api(host=host)
 
 
-async def _run_command(command: list[str], env: dict[str, str]) -> int:
-    """Run COMMAND; SIGINT/SIGTERM to `run` go to COMMAND first, so the flow can finish its bookkeeping."""
+async def _start_command(command: list[str], env: dict[str, str], interrupted: list[int]) -> asyncio.subprocess.Process:
+    """Start COMMAND; from now on SIGINT/SIGTERM to `run` go to COMMAND first, so the flow can finish its
+    bookkeeping (during start-up they also stop the start-up)."""
     proc = await asyncio.create_subprocess_exec(*command, env=env)
     loop = asyncio.get_running_loop()
-    forwarded: list[int] = []
+    main = asyncio.current_task()
 
     def forward(sig: int) -> None:
-        forwarded.append(sig)
         if proc.returncode is None:
             proc.send_signal(sig)
+        if not os.path.exists(env[SCHEDULER_FILE_ENV]):
+            interrupted.append(sig)  # still starting up: stop that too
+            if main is not None:
+                main.cancel()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, forward, sig)
+    return proc
+
+
+async def _command_exit(proc: asyncio.subprocess.Process) -> int:
     code = await proc.wait()  # the handlers stay until teardown installs its own: no moment without one
     return 128 - code if code < 0 else code  # killed by signal N: 128+N, as shells report it
+
+
+async def _end_command(proc: asyncio.subprocess.Process) -> None:
+    """COMMAND outlived a failed start-up: it is waiting for a cluster that will not come."""
+    for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+        if proc.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(sig)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(proc.wait(), wait)
 
 
 def site_for_run(name: str | None, env: Mapping[str, str]) -> Site:

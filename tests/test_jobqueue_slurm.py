@@ -203,7 +203,7 @@ def test_workers_retire_before_the_walltime_and_are_replaced_ahead(tmp_path: Pat
 ])
 def test_nothing_is_left_in_the_queue_after_a_failed_or_interrupted_run(tmp_path: Path, how: object,
                                                                         when: str | None, code: int) -> None:
-    command = ["sh", "-c", "exit 3"] if how == "exit 3" else ["sleep", "60"]
+    command = ["sh", "-c", "exit 3"] if how == "exit 3" else ["sleep", "300"]  # COMMAND starts with the workers
     proc = subprocess.Popen([PY, "-m", "hpc_garage", "run", "--site", "lab-jobqueue", "--", *command],
                             stderr=subprocess.PIPE, text=True, env=clean_env(), cwd=tmp_path)
     lines = []

@@ -130,3 +130,26 @@ def test_a_server_that_never_answers_is_stopped(fake_python) -> None:  # noqa: A
     with pytest.raises(UserError, match="did not answer within 1 s.*hanging"):
         ensure_api(timeout=1)
     assert not prefect_server._children  # killed and reaped, not left behind
+
+
+def test_the_server_batches_its_records_and_the_users_settings_win(fake_python, monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setenv("PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL", "2")
+    fake_python('env > server-env.txt; exit 3')
+    with pytest.raises(UserError):
+        ensure_api()
+    seen = dict(line.split("=", 1) for line in (state_dir() / "server-env.txt").read_text().splitlines() if "=" in line)
+    assert seen["PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE"] == "100"
+    assert seen["PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL"] == "2"  # the user's
+    assert seen["PREFECT_SERVER_SERVICES_EVENT_PERSISTER_READ_BATCH_SIZE"] == "100"
+
+    # the names are Prefect's: its settings read them (a misspelt one would be ignored silently)
+    from prefect.settings import Settings
+
+    monkeypatch.delenv("PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL")
+    for name, value in prefect_server.BATCHING.items():
+        monkeypatch.setenv(name, value)
+    services = Settings().server.services
+    assert (services.task_run_recorder.batch_size, services.task_run_recorder.read_batch_size) == (100, 100)
+    assert services.task_run_recorder.flush_interval == 0.5
+    assert (services.event_persister.batch_size, services.event_persister.flush_interval) == (100, 0.5)
+    assert services.triggers.read_batch_size == 100

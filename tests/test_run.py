@@ -133,7 +133,7 @@ for v in ${{!SLURM_@}} SLURMD_NODENAME; do [ "$v" = SLURM_CONF ] || unset "$v"; 
     job = submit(["qsub"], script)
     wait_gone(job, 180)
     log = "".join(p.read_text() for p in tmp_path.glob("job.sh.[eo]*"))
-    assert "starting ranks: mpiexec -n 2" in log and "--hostfile" in log, log
+    assert "starting ranks: mpiexec -n 1 --map-by ppr:1:node" in log and "--hostfile" in log, log
     r = json.loads(out.read_text())
     assert sorted(w["env"]["CUDA_VISIBLE_DEVICES"] for w in r["workers"].values()) == ["0", "1"]
 

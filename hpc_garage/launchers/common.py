@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
+import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from hpc_garage.errors import UserError
@@ -60,11 +62,72 @@ def _names(names: list[str]) -> str:
     return ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
 
 
+PRELOAD_ENV = "HPC_GARAGE_WORKER_PRELOAD"
+DEFAULT_PRELOAD = ("distributed", "hpc_garage.prefect_fast")  # the second only where prefect is installed
+
+
+def worker_preload(env: Mapping[str, str]) -> list[str]:
+    """Modules every worker process starts with: $HPC_GARAGE_WORKER_PRELOAD (comma-separated), else
+    distributed and, where Prefect is installed, the Prefect task path (else each worker imports Prefect,
+    ~2 s of CPU, when its first task arrives)."""
+    if PRELOAD_ENV in env:
+        return [m.strip() for m in env[PRELOAD_ENV].split(",") if m.strip()]
+    return [m for m in DEFAULT_PRELOAD if m == "distributed" or importlib.util.find_spec("prefect") is not None]
+
+
+def forkserver_env(worker_env: Mapping[str, str], workers: Iterable[WorkerSpec]) -> dict[str, str]:
+    """The environment a host's worker forkserver starts with: what all its workers share, and thread
+    caps no larger than any worker's (numpy's BLAS reads them once, in the server, when it is imported)."""
+    caps: dict[str, str] = {}
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        values = [int(w.env[var]) for w in workers if str(w.env.get(var, "")).isdigit()]
+        if values:
+            caps[var] = str(min(values))
+    return {**worker_env, **caps}
+
+
+def start_worker_forkserver(env: Mapping[str, str], preload: list[str]) -> None:
+    """Make this process's Nannies fork their workers from one server that imported `preload` once.
+
+    Dask's default, spawn, starts a fresh interpreter per worker, each importing distributed (and later
+    Prefect) again: on a node with 8 workers that is 8x the CPU before the first task. A forkserver is a
+    clean single-threaded process (unlike this one, which holds sockets and an event loop, so plain fork
+    is unsafe); it starts at once and imports while this process goes on. `env` is the environment the
+    workers share (Prefect reads its settings when imported, so the API must be in it); each worker's own
+    variables (CUDA_VISIBLE_DEVICES, ...) are still set by its Nanny before the worker starts.
+    """
+    import multiprocessing
+    import multiprocessing.forkserver
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(preload)
+    saved = dict(os.environ)
+    os.environ.update(env)
+    try:
+        multiprocessing.forkserver.ensure_running()  # the server inherits this environment
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    import dask
+
+    dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"})
+    import distributed.utils
+
+    if hasattr(distributed.utils, "_forkserver_preload_set"):
+        # else distributed imports every optional package it knows (pandas, ...) here to preload them
+        distributed.utils._forkserver_preload_set = True
+
+
 class Launcher:
     """Starts a plan's workers against a running scheduler, says if they died, and stops them."""
 
     scheduler_host: dict[str, Any] = {"host": "127.0.0.1"}  # Scheduler(...) keywords: where it listens
     command_env: dict[str, str] = {}  # exported to COMMAND besides the scheduler file
+
+    async def prepare(self, tls: dict[str, str] | None, worker_env: dict[str, str], rundir: Any,
+                      timeout: float) -> None:
+        """Before the scheduler exists: start whatever can start early (ranks that will wait for the
+        scheduler's address, a worker forkserver), so that it overlaps the scheduler's own start."""
 
     async def start(self, address: str, tls: dict[str, str] | None, worker_env: dict[str, str],
                     rundir: Any) -> None:
@@ -83,6 +146,50 @@ class Launcher:
     def abandon(self) -> None:
         """Last resort once the event loop is gone (a teardown cut short): release what outlives this
         process, such as batch jobs. Must be synchronous, quick, and safe to call after `stop`."""
+
+
+def listening_host(options: Mapping[str, Any]) -> str:
+    """The IP address a Scheduler given these keywords (interface= or host=) will listen on, known before
+    it starts, and without importing distributed (~1 s): the Prefect API binds there, and COMMAND and the
+    workers are started with it while distributed is still importing. Same rules as distributed.utils'
+    get_ip_interface / get_ip (tests compare them)."""
+    import socket
+
+    if interface := options.get("interface"):
+        import psutil
+
+        addresses = psutil.net_if_addrs()
+        if interface not in addresses:
+            raise UserError(f"network interface {interface!r} does not exist on {socket.gethostname()} "
+                            f"(it has {', '.join(sorted(addresses))}); fix the site's interface")
+        for address in addresses[interface]:
+            if address.family == socket.AF_INET:
+                return str(address.address)
+        raise UserError(f"network interface {interface!r} has no IPv4 address; fix the site's interface")
+    if host := options.get("host"):
+        return str(host)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:  # no packet is sent
+        try:
+            probe.connect(("8.8.8.8", 80))
+            if (ip := str(probe.getsockname()[0])) != "0.0.0.0":
+                return ip
+        except OSError:
+            pass
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def run_entry(main: Callable[[], int]) -> None:
+    """`python -m` entry of a process a launcher starts: a user error is one line on stderr and exit 2."""
+    import sys
+
+    try:
+        sys.exit(main())
+    except UserError as exc:
+        print(f"hpc-garage: error: {exc}", file=sys.stderr)
+        sys.exit(2)
 
 
 def security_from(tls: dict[str, str] | None) -> Any:

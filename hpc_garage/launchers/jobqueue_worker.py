@@ -28,6 +28,7 @@ from typing import Any
 
 from hpc_garage.allocation import Allocation
 from hpc_garage.errors import UserError
+from hpc_garage.launchers.common import forkserver_env, run_entry, start_worker_forkserver, worker_preload
 from hpc_garage.launchers.mpi import node_gpus
 from hpc_garage.layout import WorkerSpec, pin_gpus, plan
 from hpc_garage.pools import JobShape, advertised, job_shapes, lifetime, worker_names
@@ -95,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.update(data["env"])  # the run's worker environment (Prefect API, logging) for every process here
     for note in notes:
         _say(note)
+    start_worker_forkserver(forkserver_env(data["env"], [w.spec for w in workers]), worker_preload(os.environ))
     return asyncio.run(_serve(data, shape, workers, args, life, stagger))
 
 
@@ -140,8 +142,4 @@ def _say(message: str) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except UserError as exc:
-        print(f"hpc-garage: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    run_entry(main)

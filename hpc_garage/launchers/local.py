@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from hpc_garage.allocation import Allocation
-from hpc_garage.launchers.common import Launcher, security_from
+from hpc_garage.launchers.common import (Launcher, forkserver_env, security_from, start_worker_forkserver,
+                                        worker_preload)
 from hpc_garage.layout import Plan, WorkerSpec, plan
 from hpc_garage.site import Site, load_site
 
@@ -90,6 +91,10 @@ class LocalLauncher(Launcher):
     def __init__(self, plan_: Plan) -> None:
         self.plan = plan_
         self.nannies: list[Any] = []
+
+    async def prepare(self, tls: dict[str, str] | None, worker_env: dict[str, str], rundir: Any,
+                      timeout: float) -> None:
+        start_worker_forkserver(forkserver_env(worker_env, self.plan.workers), worker_preload(os.environ))
 
     async def start(self, address: str, tls: dict[str, str] | None, worker_env: dict[str, str],
                     rundir: Any) -> None:

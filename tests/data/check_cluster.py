@@ -1,5 +1,6 @@
 """Run by `hpc-garage run` in tests: records what the cluster it was handed looks like, as JSON."""
 
+import gc
 import json
 import os
 import stat
@@ -22,6 +23,7 @@ def main(out: str) -> None:
             refused = False
         except Exception:  # TLS handshake or timeout: a client without the job's credentials gets nothing
             refused = True
+        gc.collect()  # a failed Client collected while the next holds distributed's LoopRunner lock can hang
     with Client(h.address, security=h.security(), timeout=30) as c:
         envs = c.run(lambda: {k: os.environ.get(k) for k in KEYS})
         workers = {

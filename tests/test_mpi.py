@@ -1,0 +1,104 @@
+"""The mpi launcher's pure parts: the launch command per launcher, which node a process is on, and what
+each node process starts (the end-to-end runs are in test_run.py, on the real SLURM)."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from hpc_garage.allocation import Allocation
+from hpc_garage.errors import UserError
+from hpc_garage.launchers.common import forkserver_env, listening_host, worker_preload
+from hpc_garage.launchers.mpi import launcher_rank, node_index, node_workers, rank_command
+from hpc_garage.layout import LayoutError, plan
+from hpc_garage.site import load_site
+
+ARGV = ["python", "-m", "hpc_garage.launchers.mpi", "ranks.json"]
+
+
+def two_node_plan(name: str, flavor: str | None = None, **request: int):  # noqa: ANN201
+    site = load_site(name)
+    if flavor:
+        site = site.model_copy(update={"mpi": site.mpi.model_copy(update={"flavor": flavor})})
+    return plan(site, Allocation.from_request(site, nodes=2, **request))
+
+
+def test_srun_starts_one_process_per_node_with_every_core_its_workers_use() -> None:
+    p = two_node_plan("lab-gpu")
+    launch = rank_command(p, ARGV, in_slurm=True, nodefile=None)
+    per_node = sum(w.resources["CPU"] for w in p.workers if w.node == 0)
+    assert launch.argv[:6] == ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1",
+                               f"--cpus-per-task={int(per_node)}", "--kill-on-bad-exit=1"]
+    assert launch.argv[-4:] == ARGV
+    assert len([w for w in p.workers if w.node == 0]) == 4  # four workers behind that one process
+
+
+def test_mpiexec_spellings_one_rank_per_node() -> None:
+    openmpi = rank_command(two_node_plan("pbs-gpu", "openmpi"), ARGV, in_slurm=False, nodefile="/var/spool/nodes")
+    assert openmpi.argv[:6] == ["mpiexec", "-n", "2", "--map-by", "ppr:1:node", "--bind-to"]
+    assert openmpi.argv[openmpi.argv.index("--hostfile") + 1] == "/var/spool/nodes"
+    mpich = rank_command(two_node_plan("pbs-gpu", "mpich"), ARGV, in_slurm=False, nodefile="/var/spool/nodes")
+    assert mpich.argv[:7] == ["mpiexec", "-n", "2", "-ppn", "1", "-f", "/var/spool/nodes"]
+    assert mpich.argv[-4:] == ARGV
+
+
+@pytest.mark.parametrize(
+    "name, hosts, rank, expected",
+    [
+        ("node2", ["node1", "node2"], None, 1),                       # by name
+        ("nid001237.cluster", ["nid001236", "nid001237"], None, 1),   # short name matches the FQDN
+        ("vm", ["vm", "vm"], 1, 1),                                   # one host, several batch nodes: by rank
+        ("elsewhere", [None, None], 1, 1),                            # no names at all: by rank
+        ("vm", ["vm", "other"], 1, 0),                                # a name match beats a stray rank
+    ],
+)
+def test_a_node_process_finds_its_node(name: str, hosts: list, rank: int | None, expected: int) -> None:
+    assert node_index(name, hosts, rank) == expected
+
+
+def test_a_process_on_no_known_node_is_told_how_to_fix_it() -> None:
+    with pytest.raises(UserError, match="'stranger' is not one of this job's nodes.*mpi.launch"):
+        node_index("stranger", ["node1", "node2"], None)
+
+
+def test_launcher_rank_variables() -> None:
+    assert launcher_rank({"SLURM_NODEID": "3"}) == 3
+    assert launcher_rank({"OMPI_COMM_WORLD_RANK": "1"}) == 1
+    assert launcher_rank({"PMI_RANK": "0"}) == 0
+    assert launcher_rank({"SLURM_NODEID": ""}) is None and launcher_rank({}) is None
+
+
+def test_each_node_pins_its_own_gpu_ids_and_keeps_the_shared_environment() -> None:
+    p = two_node_plan("lab-gpu", gpus_per_node=2)
+    shared = {"PREFECT_API_URL": "http://x/api", "CUDA_VISIBLE_DEVICES": "should-be-overridden"}
+    mine = node_workers(p.workers, 1, ["5", "7"], ("CUDA_VISIBLE_DEVICES",), shared)
+    assert [w.node for w, _ in mine] == [1, 1]
+    assert [env["CUDA_VISIBLE_DEVICES"] for _, env in mine] == ["5", "7"]
+    assert all(env["PREFECT_API_URL"] == "http://x/api" and env["OMP_NUM_THREADS"] for _, env in mine)
+    with pytest.raises(LayoutError, match="shows only 1 GPUs"):
+        node_workers(p.workers, 0, ["0"], ("CUDA_VISIBLE_DEVICES",), shared)
+
+
+def test_the_forkserver_gets_the_shared_environment_and_the_smallest_thread_cap() -> None:
+    p = two_node_plan("lab-gpu")
+    env = forkserver_env({"A": "1"}, p.workers)
+    assert env["A"] == "1"
+    assert env["OMP_NUM_THREADS"] == str(min(int(w.env["OMP_NUM_THREADS"]) for w in p.workers))
+
+
+def test_worker_preload_default_and_override() -> None:
+    assert worker_preload({}) == ["distributed", "hpc_garage.prefect_fast"]  # prefect is installed here
+    assert worker_preload({"HPC_GARAGE_WORKER_PRELOAD": "distributed, numpy"}) == ["distributed", "numpy"]
+    assert worker_preload({"HPC_GARAGE_WORKER_PRELOAD": ""}) == []
+
+
+def test_listening_host_agrees_with_distributed() -> None:
+    from distributed.utils import get_ip, get_ip_interface
+
+    assert listening_host({"interface": "lo"}) == get_ip_interface("lo") == "127.0.0.1"
+    assert listening_host({"host": None}) == get_ip()
+    assert listening_host({"host": "127.0.0.1"}) == "127.0.0.1"
+    with pytest.raises(UserError, match="'nosuch0' does not exist on .*fix the site's interface"):
+        listening_host({"interface": "nosuch0"})
+    assert socket.gethostname()  # the message names this host
