@@ -63,16 +63,19 @@ def _names(names: list[str]) -> str:
 
 
 PRELOAD_ENV = "HPC_GARAGE_WORKER_PRELOAD"
-DEFAULT_PRELOAD = ("distributed", "hpc_garage.prefect_fast")  # the second only where prefect is installed
+# What a worker needs before its first Prefect task: the task engine, and what unpickling a flow script's
+# task brings in (prefect.flows, hpc_garage.prefect and prefect-dask).
+PREFECT_PRELOAD = ("hpc_garage.prefect_fast", "prefect.task_engine", "prefect.flows", "hpc_garage.prefect")
 
 
 def worker_preload(env: Mapping[str, str]) -> list[str]:
     """Modules every worker process starts with: $HPC_GARAGE_WORKER_PRELOAD (comma-separated), else
-    distributed and, where Prefect is installed, the Prefect task path (else each worker imports Prefect,
-    ~2 s of CPU, when its first task arrives)."""
+    distributed and, where Prefect is installed, its task path (else each worker imports Prefect, ~2 s of
+    CPU, when its first task arrives)."""
     if PRELOAD_ENV in env:
         return [m.strip() for m in env[PRELOAD_ENV].split(",") if m.strip()]
-    return [m for m in DEFAULT_PRELOAD if m == "distributed" or importlib.util.find_spec("prefect") is not None]
+    with_prefect = importlib.util.find_spec("prefect") is not None
+    return ["distributed", *(PREFECT_PRELOAD if with_prefect else ())]
 
 
 def forkserver_env(worker_env: Mapping[str, str], workers: Iterable[WorkerSpec]) -> dict[str, str]:
