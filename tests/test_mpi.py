@@ -87,6 +87,19 @@ def test_the_forkserver_gets_the_shared_environment_and_the_smallest_thread_cap(
     assert env["OMP_NUM_THREADS"] == str(min(int(w.env["OMP_NUM_THREADS"]) for w in p.workers))
 
 
+def test_forked_workers_get_what_a_spawning_nanny_would_set_before_python_starts() -> None:
+    import dask
+    import distributed  # noqa: F401 - loads distributed's config defaults
+
+    from hpc_garage.launchers.common import PRE_SPAWN_ENV
+
+    dask_env = {k: str(v) for k, v in dask.config.get("distributed.nanny.pre-spawn-environ").items()}
+    assert dask_env["MALLOC_TRIM_THRESHOLD_"] == PRE_SPAWN_ENV["MALLOC_TRIM_THRESHOLD_"]
+    assert PRE_SPAWN_ENV["PYTHONHASHSEED"] == "6640"  # distributed.nanny's fixed seed
+    env = forkserver_env({}, two_node_plan("lab-gpu").workers)
+    assert env["PYTHONHASHSEED"] == "6640" and env["MALLOC_TRIM_THRESHOLD_"] == "65536"
+
+
 def test_worker_preload_default_and_override() -> None:
     default = worker_preload({})
     assert default[0] == "distributed" and "hpc_garage.prefect_fast" in default  # prefect is installed here

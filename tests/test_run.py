@@ -97,6 +97,7 @@ def test_two_node_job_pins_each_worker_to_its_own_nodes_gpu(tmp_path: Path) -> N
     assert sorted(by_node) == ["node1", "node2"]
     assert all(sorted(ids) == ["0", "1"] for ids in by_node.values())  # one GPU each, as each node shows them
     assert r["plain_client_refused"] is True
+    assert len(r["string_hashes"]) == 1  # workers forked on different nodes hash strings alike
 
 
 @pytest.mark.slurm

@@ -78,15 +78,23 @@ def worker_preload(env: Mapping[str, str]) -> list[str]:
     return ["distributed", *(PREFECT_PRELOAD if with_prefect else ())]
 
 
+# What distributed's Nanny puts in a spawned worker's environment before Python starts there
+# (`distributed.nanny.pre-spawn-environ`, plus a fixed hash seed so that every worker hashes strings alike).
+# Forked workers inherit them from the forkserver, so it must start with them (tests compare with Dask's).
+PRE_SPAWN_ENV = {"MALLOC_TRIM_THRESHOLD_": "65536", "PYTHONHASHSEED": "6640"}
+
+
 def forkserver_env(worker_env: Mapping[str, str], workers: Iterable[WorkerSpec]) -> dict[str, str]:
-    """The environment a host's worker forkserver starts with: what all its workers share, and thread
-    caps no larger than any worker's (numpy's BLAS reads them once, in the server, when it is imported)."""
+    """The environment a host's worker forkserver starts with: what all its workers share, Dask's
+    pre-spawn variables, and thread caps no larger than any worker's (numpy's BLAS reads them once, in the
+    server, when it is imported)."""
     caps: dict[str, str] = {}
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         values = [int(w.env[var]) for w in workers if str(w.env.get(var, "")).isdigit()]
         if values:
             caps[var] = str(min(values))
-    return {**worker_env, **caps}
+    pre = {k: v for k, v in PRE_SPAWN_ENV.items() if os.environ.get(k, "0") == "0"}  # the user's own win
+    return {**pre, **worker_env, **caps}
 
 
 def start_worker_forkserver(env: Mapping[str, str], preload: list[str]) -> None:

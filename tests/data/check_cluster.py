@@ -26,6 +26,7 @@ def main(out: str) -> None:
         gc.collect()  # a failed Client collected while the next holds distributed's LoopRunner lock can hang
     with Client(h.address, security=h.security(), timeout=30) as c:
         envs = c.run(lambda: {k: os.environ.get(k) for k in KEYS})
+        hashes = sorted(set(c.run(lambda: hash("hpc-garage")).values()))  # one seed everywhere: Dask needs it
         workers = {
             w["name"]: {"resources": w["resources"], "nthreads": w["nthreads"], "memory_limit": w["memory_limit"],
                         "env": envs[addr]}
@@ -42,6 +43,7 @@ def main(out: str) -> None:
         "tls_modes": [stat.S_IMODE(os.stat(os.path.join(run_dir, "tls", f)).st_mode)
                       for f in sorted(os.listdir(os.path.join(run_dir, "tls")))] if h.tls else [],
         "plain_client_refused": refused,
+        "string_hashes": hashes,
     }
     with open(out, "w") as f:
         json.dump(record, f, indent=1)
