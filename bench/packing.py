@@ -149,6 +149,22 @@ def gpu_overlaps(trials: list[dict[str, Any]]) -> tuple[int, int]:
     return pairs, most
 
 
+def placement(trials: list[dict[str, Any]]) -> dict[str, Any]:
+    """How the GPU trials were spread: trials per GPU (fewest, most), and how long a trial sat on its worker
+    between the scheduler's assignment and its start (median, longest), when the run recorded assignments."""
+    lanes: dict[tuple[str, str], int] = defaultdict(int)
+    waits = []
+    for t in trials:
+        if t["kind"] == "gpu":
+            lanes[(t["node"], t["gpu"] or t.get("worker", "none"))] += 1
+            if "assigned" in t:
+                waits.append(max(0.0, t["start"] - t["assigned"]))
+    counts = sorted(lanes.values())
+    waits.sort()
+    return {"per_gpu": [counts[0], counts[-1]] if counts else [0, 0], "gpus_used": len(counts),
+            "wait_on_worker": [waits[len(waits) // 2], waits[-1]] if waits else None}
+
+
 def summarize(layouts: dict[str, dict[str, Any]], gpu_trials: int, cpu_trials: int, seconds: float,
               aggregate: float) -> dict[str, Any]:
     group = (f"packing: {gpu_trials} GPU + {cpu_trials} CPU trials of {seconds:g} s + aggregation, "
@@ -171,7 +187,11 @@ def summarize(layouts: dict[str, dict[str, Any]], gpu_trials: int, cpu_trials: i
                        f"{shape['gpus']:g} GPUs); GPU trials sharing a GPU: {pairs} overlapping pairs, "
                        f"up to {most} at once; a warm-up sweep of 0.1 s trials first, not counted ({data['warmup_makespan']:.1f} s)")
         figures.append(figure)
-        details[name] = {"lower_bound": bound, "overlapping_pairs": pairs, "most_at_once": most, **shape}
+        spread = [placement(run["trials"]) for run in data["runs"]]
+        fewest, most_trials = min(p["per_gpu"][0] for p in spread), max(p["per_gpu"][1] for p in spread)
+        figure.note += f"; GPU trials per GPU {fewest}-{most_trials}"
+        details[name] = {"lower_bound": bound, "overlapping_pairs": pairs, "most_at_once": most, **shape,
+                         "placement": spread}
     return {"figures": [f.to_dict() for f in figures], "layouts": details}
 
 

@@ -122,6 +122,8 @@ async def _serve(site: Site, plan_: Plan, launcher: Launcher, rundir: RunDir, jo
         scheduler = Scheduler(port=0, dashboard_address=":0", security=security_from(tls),
                               protocol="tls" if tls else "tcp", scheduler_file=str(rundir.dask_scheduler_file),
                               **launcher.scheduler_host)
+        from hpc_garage.placement import install
+        install(scheduler)  # resource tasks go only to workers with them free (placement.py); every launcher
         await scheduler
         await launcher.start(scheduler.address, tls, worker_env, rundir)
         if await _wait(scheduler, expected, timeout, launcher, state, proc):

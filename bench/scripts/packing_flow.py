@@ -25,9 +25,11 @@ import hpc_garage
 def where() -> dict:
     from distributed import get_worker
 
+    worker = get_worker()
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-    return {"worker": str(get_worker().name), "node": os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
-            "visible": visible, "gpu": visible.split(",")[0] if visible else None, "pid": os.getpid()}
+    return {"worker": str(worker.name), "node": os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
+            "visible": visible, "gpu": visible.split(",")[0] if visible else None, "pid": os.getpid(),
+            "key": str(worker.get_current_task())}
 
 
 @task(tags=hpc_garage.resources(gpu=1))
@@ -98,8 +100,9 @@ def main() -> None:
         cpu = cpu_trial.map(range(args.cpu_trials), unmapped(seconds))
         total = aggregate.submit([*gpu, *cpu], args.aggregate_seconds).result()
         end = time.time()
-        return {"start": start, "end": end, "makespan": end - start,
-                "trials": [f.result() for f in [*gpu, *cpu]], "aggregate": total}
+        trials = [f.result() for f in [*gpu, *cpu]]
+        return {"start": start, "end": end, "makespan": end - start, "trials": _with_assignment(trials),
+                "aggregate": total}
 
     warmup = sweep(seconds=0.1)  # imports Prefect into every worker process: not counted
     runs = [sweep() for _ in range(args.runs)]
@@ -112,6 +115,38 @@ def main() -> None:
 
         with Client(scheduler_file=args.scheduler_file) as client:
             client.shutdown()
+
+
+def _with_assignment(trials: list) -> list:
+    """Each trial with when the scheduler assigned it to a worker (`assigned`, from its transition log) and
+    whether it waited on the scheduler first (`held`: it went through no-worker): how placement decided."""
+    from prefect.context import FlowRunContext
+
+    client = FlowRunContext.get().task_runner.client
+    keys = [t["key"] for t in trials]
+    try:
+        log = client.run_on_scheduler(_assignments, keys)
+        for started in client.run(_executing, keys).values():
+            for key, when in started.items():
+                log.setdefault(key, {})["executing"] = when
+    except Exception as exc:  # noqa: BLE001 - a diagnostic; the sweep's timing stands without it
+        print(f"packing_flow: no transition log: {exc}", file=sys.stderr)
+        return trials
+    return [{**t, **log.get(t["key"], {})} for t in trials]
+
+
+def _assignments(keys: list, dask_scheduler=None) -> dict:
+    wanted, out = set(keys), {}
+    for t in dask_scheduler.transition_log:
+        if t.key in wanted and t.finish == "processing" and t.start != "processing":
+            out[t.key] = {"assigned": t.timestamp, "held": t.start == "no-worker"}
+    return out
+
+
+def _executing(keys: list, dask_worker=None) -> dict:
+    """When each task started executing on this worker (its GPU taken), from the worker's own log."""
+    wanted = set(keys)
+    return {e[0]: e[-1] for e in dask_worker.state.log if len(e) == 7 and e[0] in wanted and e[3] == "executing"}
 
 
 def _threads(runner) -> dict:

@@ -74,10 +74,12 @@ def cluster_specs(workers: list[WorkerSpec], *, security: Any = None, env: dict[
     from distributed import Nanny, Scheduler
 
     from hpc_garage.launchers.common import worker_options
+    from hpc_garage.placement import FreeResourcePlacement
 
     protocol = "tls" if security is not None else "tcp"
     scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "port": 0, "dashboard_address": ":0",
-                                                "security": security, "protocol": protocol}}
+                                                "security": security, "protocol": protocol,
+                                                "plugins": [FreeResourcePlacement()]}}  # see placement.py
     extra: dict[str, Any] = {"host": "127.0.0.1", "security": security, "protocol": protocol}
     if local_directory:
         extra["local_directory"] = local_directory

@@ -1,0 +1,33 @@
+"""prefect_fast's worker-side tuning of Prefect (the runner's end-to-end behaviour is in test_prefect*.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("prefect")
+
+from prefect.concurrency import services  # noqa: E402
+
+from hpc_garage import prefect_fast  # noqa: E402
+
+
+def test_workers_trust_no_tag_limits_for_a_minute_and_prefect_reads_the_stretched_cache(monkeypatch) -> None:  # noqa: ANN001
+    original = services._no_limits_cache
+    monkeypatch.setattr(services, "_no_limits_cache", original)  # restored after the test
+    assert original.ttl == 5.0  # Prefect's own: if this changes, revisit TAG_LIMITS_TTL
+    assert prefect_fast.trust_no_tag_limits_longer() is True
+    stretched = services._no_limits_cache
+    assert stretched is not original and stretched.ttl == prefect_fast.TAG_LIMITS_TTL == 60.0
+    assert stretched.maxsize == original.maxsize
+    # Prefect looks the cache up by its module-global name at each acquisition, so the new one is used
+    assert "_no_limits_cache" in services.ConcurrencySlotAcquisitionWithLeaseService.acquire.__code__.co_names
+    assert prefect_fast.trust_no_tag_limits_longer() is True and services._no_limits_cache is stretched  # once
+
+
+def test_a_longer_cache_of_prefects_own_is_left_alone(monkeypatch) -> None:  # noqa: ANN001
+    import cachetools
+
+    longer = cachetools.TTLCache(maxsize=10, ttl=3600)
+    monkeypatch.setattr(services, "_no_limits_cache", longer)
+    prefect_fast.trust_no_tag_limits_longer()
+    assert services._no_limits_cache is longer
