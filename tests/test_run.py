@@ -40,6 +40,8 @@ def test_login_node_cluster_is_shaped_like_the_site(tmp_path: Path) -> None:
         assert w["env"]["CUDA_VISIBLE_DEVICES"] == "" and w["env"]["HPC_GARAGE_SITE"] == "lab-gpu"
         assert w["env"]["PREFECT_API_URL"]  # one Prefect API for every worker
     assert r["address"].startswith("tls://") and r["plain_client_refused"] is True
+    assert r["worker_preloaded"] == [[True, True]]  # every worker forked with Prefect imported and set up
+    assert r["scheduler_has_prefect"] is True  # it unpickles Prefect tasks: imported before the first one
     assert r["scheduler_file_mode"] == 0o600 and r["run_dir_mode"] == 0o700 and set(r["tls_modes"]) == {0o600}
     assert not Path(r["scheduler_file"]).exists()  # torn down with the cluster
     state = json.loads((Path(r["scheduler_file"]).parent / "state.json").read_text())

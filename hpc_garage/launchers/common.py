@@ -63,9 +63,9 @@ def _names(names: list[str]) -> str:
 
 
 PRELOAD_ENV = "HPC_GARAGE_WORKER_PRELOAD"
-# What a worker needs before its first Prefect task: the task engine, and what unpickling a flow script's
-# task brings in (prefect.flows, hpc_garage.prefect and prefect-dask).
-PREFECT_PRELOAD = ("hpc_garage.prefect_fast", "prefect.task_engine", "prefect.flows", "hpc_garage.prefect")
+PREFECT_PRELOAD = ("hpc_garage.prefect_worker",)  # Prefect's task path and its one-time set-up
+# What the scheduler needs to unpickle a flow script's Prefect tasks (it does, for every task it is sent).
+PREFECT_SCHEDULER_PRELOAD = ("prefect.flows", "hpc_garage.prefect")
 
 
 def worker_preload(env: Mapping[str, str]) -> list[str]:
@@ -95,6 +95,13 @@ def forkserver_env(worker_env: Mapping[str, str], workers: Iterable[WorkerSpec])
             caps[var] = str(min(values))
     pre = {k: v for k, v in PRE_SPAWN_ENV.items() if os.environ.get(k, "0") == "0"}  # the user's own win
     return {**pre, **worker_env, **caps}
+
+
+def scheduler_preload(env: Mapping[str, str]) -> list[str]:
+    """What the scheduler's process imports while the workers start: Prefect's task modules where Prefect
+    is installed and the workers preload it (unset or default $HPC_GARAGE_WORKER_PRELOAD)."""
+    wanted = worker_preload(env)
+    return [m for m in PREFECT_SCHEDULER_PRELOAD if "hpc_garage.prefect_worker" in wanted]
 
 
 def start_worker_forkserver(env: Mapping[str, str], preload: list[str]) -> None:

@@ -5,12 +5,20 @@ import json
 import os
 import stat
 import sys
+import time
 
 from distributed import Client
 
 from hpc_garage.handoff import handoff_from_env
 
 KEYS = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "SLURMD_NODENAME", "PREFECT_API_URL", "HPC_GARAGE_SITE")
+
+
+def _preloaded() -> tuple[bool, bool]:
+    """Prefect's task path imported and its logging set up before any task: forked from the forkserver."""
+    from prefect.logging import configuration
+
+    return "hpc_garage.prefect_worker" in sys.modules, bool(configuration.PROCESS_LOGGING_CONFIG)
 
 
 def main(out: str) -> None:
@@ -27,6 +35,12 @@ def main(out: str) -> None:
     with Client(h.address, security=h.security(), timeout=30) as c:
         envs = c.run(lambda: {k: os.environ.get(k) for k in KEYS})
         hashes = sorted(set(c.run(lambda: hash("hpc-garage")).values()))  # one seed everywhere: Dask needs it
+        preloaded = c.run(_preloaded)
+        scheduler_has_prefect = False
+        for _ in range(300):  # imported in the background while the workers start
+            if scheduler_has_prefect := c.run_on_scheduler(lambda: "prefect.flows" in sys.modules):
+                break
+            time.sleep(0.1)
         workers = {
             w["name"]: {"resources": w["resources"], "nthreads": w["nthreads"], "memory_limit": w["memory_limit"],
                         "env": envs[addr]}
@@ -44,6 +58,8 @@ def main(out: str) -> None:
                       for f in sorted(os.listdir(os.path.join(run_dir, "tls")))] if h.tls else [],
         "plain_client_refused": refused,
         "string_hashes": hashes,
+        "worker_preloaded": sorted(set(preloaded.values())),
+        "scheduler_has_prefect": scheduler_has_prefect,
     }
     with open(out, "w") as f:
         json.dump(record, f, indent=1)
