@@ -122,22 +122,30 @@ def show(site_name: str, as_json: bool, as_script: bool, worker_script: bool, co
     if as_script or command:
         _show_script(site_name, as_script, command, request)
         return
-    from hpc_garage.site import load_site
+    from hpc_garage import siteview
 
-    if load_site(site_name).launcher == "jobqueue":
+    site = siteview.load(site_name)  # without pydantic when it can: see siteview
+    if site.launcher == "jobqueue":
         from hpc_garage.pools import show_pools
 
         click.echo(show_pools(site_name, as_json=as_json, **request))
         return
-    from hpc_garage.planning import plan_for
+    from hpc_garage.layout import describe, plan
+    from hpc_garage.planning import allocation_for
 
-    plan_ = plan_for(site_name, **request)
-    if as_json:
-        click.echo(json.dumps(plan_.to_dict(), indent=2))
+    plan_ = plan(site, allocation_for(site, **request))
+    if as_json:  # indented while a person might read it; compact and ~50x faster for thousands of workers
+        stdout = click.get_text_stream("stdout")  # not echo: it would scan 8 MB for ANSI codes
+        if plan_.worker_count > SHOW_JSON_INDENT_MAX:
+            stdout.writelines(plan_.json_chunks())
+        else:
+            stdout.write(json.dumps(plan_.to_dict(), indent=2))
+        stdout.write("\n")
         return
-    from hpc_garage.layout import describe
-
     click.echo("\n".join(describe(plan_)))
+
+
+SHOW_JSON_INDENT_MAX = 1024  # workers above which `show --json` prints compact JSON
 
 
 @cli.command(context_settings={"ignore_unknown_options": True})

@@ -4,18 +4,24 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from hpc_garage.allocation import Allocation, in_batch_job
 from hpc_garage.layout import Plan, plan
-from hpc_garage.site import Site, load_site
+
+if TYPE_CHECKING:
+    from hpc_garage.site import Site
+    from hpc_garage.siteview import SiteView
 
 
-def allocation_for(site: Site, env: Mapping[str, str] | None = None, **request: int | None) -> Allocation:
+def allocation_for(site: Site | SiteView, env: Mapping[str, str] | None = None, **request: int | None) -> Allocation:
     """The job's own allocation when inside one and nothing was requested; otherwise the request."""
     env = os.environ if env is None else env
     asked = {k: v for k, v in request.items() if v is not None}
     if not asked and site.scheduler != "local" and in_batch_job(env):
-        return Allocation.from_env(site, env)
+        from hpc_garage.siteview import full
+
+        return Allocation.from_env(full(site), env)
     return Allocation.from_request(
         site,
         nodes=asked.get("nodes"),
@@ -27,5 +33,7 @@ def allocation_for(site: Site, env: Mapping[str, str] | None = None, **request: 
 
 
 def plan_for(site_name: str, env: Mapping[str, str] | None = None, **request: int | None) -> Plan:
+    from hpc_garage.site import load_site
+
     site = load_site(site_name)
     return plan(site, allocation_for(site, env, **request))

@@ -2,51 +2,26 @@
 
 A site is a YAML file validated by pydantic. Every mistake becomes one line that names the file, the key,
 the bad value and the fix, because a site file is usually written once, by hand, from the README.
+Finding and reading the files lives in `sitefiles`, and `siteview` loads plain sites for `show` without
+pydantic; both keep to these models (tests/test_siteview.py).
 """
 
 from __future__ import annotations
 
 import difflib
 import os
-import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
+from hpc_garage import sitefiles as _files
 from hpc_garage.errors import SiteError
-from hpc_garage.units import parse_memory, parse_walltime
+from hpc_garage.sitefiles import NAME_PATTERN, SITES_PATH_ENV, packaged_dir, read_site_file  # noqa: F401 (API)
 
-SITES_PATH_ENV = "HPC_GARAGE_SITES_PATH"
-
-
-def _memory(value: Any) -> int:
-    return parse_memory(value, bare=None)
-
-
-def _walltime(value: Any) -> int:
-    return parse_walltime(value)
-
-
-def _cores(value: Any) -> Any:
-    return os.cpu_count() or 1 if value == "auto" else value
-
-
-def _node_memory(value: Any) -> int:
-    if value == "auto":
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return _memory(value)
-
-
-def _walltime_or_zero(value: Any) -> int:
-    return 0 if value in (0, "0") else parse_walltime(value)
-
-
-Bytes = Annotated[int, BeforeValidator(_memory), Field(ge=0)]
-Seconds = Annotated[int, BeforeValidator(_walltime), Field(gt=0)]
-SecondsOrZero = Annotated[int, BeforeValidator(_walltime_or_zero), Field(ge=0)]
-NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+Bytes = Annotated[int, BeforeValidator(_files.memory), Field(ge=0)]
+Seconds = Annotated[int, BeforeValidator(_files.walltime), Field(gt=0)]
+SecondsOrZero = Annotated[int, BeforeValidator(_files.walltime_or_zero), Field(ge=0)]
 
 
 class _Strict(BaseModel):
@@ -56,8 +31,8 @@ class _Strict(BaseModel):
 class NodeShape(_Strict):
     """What one node of the partition has. `auto` (cores, memory) means this machine: for `local` sites."""
 
-    cores: Annotated[int, BeforeValidator(_cores), Field(gt=0)]
-    memory: Annotated[int, BeforeValidator(_node_memory), Field(gt=0)]
+    cores: Annotated[int, BeforeValidator(_files.cores), Field(gt=0)]
+    memory: Annotated[int, BeforeValidator(_files.node_memory), Field(gt=0)]
     gpus: int = Field(0, ge=0)
     gpu_type: str | None = None
     gpu_vendor: Literal["nvidia", "amd"] = "nvidia"
@@ -168,7 +143,7 @@ class Pool(_Strict):
 class Site(_Strict):
     """One partition of one cluster, as hpc-garage sees it."""
 
-    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    name: str = Field(pattern=NAME_PATTERN)
     description: str = ""
     scheduler: Literal["slurm", "pbs", "local"]
     launcher: Literal["mpi", "jobqueue"] = "mpi"
@@ -329,72 +304,22 @@ def _job_gpus(site: Site) -> int:
 
 
 def search_path(env: dict[str, str] | None = None) -> list[Path]:
-    """Where site files are looked for, first match wins."""
-    env = os.environ if env is None else env
-    dirs = [Path(p).expanduser() for p in env.get(SITES_PATH_ENV, "").split(":") if p]
-    dirs += [Path.cwd() / "site-configs", Path("~/.config/hpc-garage/sites").expanduser(), packaged_dir("site-configs")]
-    return dirs
-
-
-def packaged_dir(name: str) -> Path:
-    """A data folder shipped with hpc-garage: inside the wheel, or beside the package in a source checkout."""
-    inside = Path(__file__).parent / "_data" / name
-    return inside if inside.is_dir() else Path(__file__).parent.parent / name
+    """Where site files are looked for, first match wins (`sitefiles.search_path`, patchable here)."""
+    return _files.search_path(env)
 
 
 def find_sites() -> dict[str, Path]:
     """Every visible site name and the file that wins for it."""
-    found: dict[str, Path] = {}
-    for directory in search_path():
-        for file in sorted(directory.glob("*.y*ml")) if directory.is_dir() else []:
-            if file.suffix in (".yaml", ".yml"):
-                found.setdefault(file.stem, file)
-    return found
+    return _files.find_sites(search_path())
 
 
 def load_site(name_or_path: str | Path) -> Site:
     """The site called NAME on the search path, or the site in the file at PATH."""
-    candidate = Path(name_or_path)
-    if candidate.suffix in (".yaml", ".yml") or os.sep in str(name_or_path):
-        if not candidate.is_file():
-            raise SiteError(f"site file {str(candidate)!r} does not exist; check the path")
-        return parse_site_file(candidate)
-    sites = find_sites()
-    if str(name_or_path) not in sites:
-        close = difflib.get_close_matches(str(name_or_path), list(sites), n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        raise SiteError(
-            f"unknown site {str(name_or_path)!r}; {hint}`hpc-garage sites` lists the {len(sites)} known sites "
-            f"(searched ${SITES_PATH_ENV}, ./site-configs, ~/.config/hpc-garage/sites and the packaged sites)"
-        )
-    return parse_site_file(sites[str(name_or_path)])
-
-
-class _SiteLoader(yaml.SafeLoader):
-    """SafeLoader without YAML 1.1's base-60 integers, so `walltime: 01:00:00` stays a string."""
-
-
-_SiteLoader.yaml_implicit_resolvers = {
-    key: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:int"]
-    for key, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
-}
-_SiteLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:int", re.compile(r"^[-+]?(0|[1-9][0-9_]*)$"), list("-+0123456789")
-)
+    return parse_site_file(_files.site_file(name_or_path, find_sites))
 
 
 def parse_site_file(path: Path) -> Site:
-    try:
-        data = yaml.load(path.read_text(), Loader=_SiteLoader)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise SiteError(f"{path}: not valid YAML{where}: {getattr(exc, 'problem', exc)}; fix the syntax") from None
-    except OSError as exc:
-        raise SiteError(f"{path}: cannot read: {exc.strerror}") from None
-    if not isinstance(data, dict):
-        raise SiteError(f"{path}: expected a mapping of keys (scheduler:, node:, ...), got {type(data).__name__}")
-    data.setdefault("name", path.stem)
+    data = read_site_file(path)
     try:
         return Site.model_validate({**data, "path": path})
     except ValidationError as exc:

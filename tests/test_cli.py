@@ -95,3 +95,27 @@ def test_light_commands_do_not_import_heavy_libraries(args: list[str], tmp_path:
     assert done.returncode == 0, done.stderr[-2000:]
     imported = {line.split("|")[-1].strip().split(".")[0] for line in done.stderr.splitlines() if "|" in line}
     assert not imported & set(HEAVY), imported & set(HEAVY)
+
+
+def test_show_of_a_plain_site_does_not_import_pydantic(tmp_path: Path) -> None:
+    """pydantic's import alone costs about as much as click's: `show` checks plain sites without it (siteview)."""
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "hpc_garage", "show", "--site", "lab-gpu",
+                           "--nodes", "2", "--json"], capture_output=True, text=True, env=clean_env(), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    imported = {line.split("|")[-1].strip().split(".")[0] for line in done.stderr.splitlines() if "|" in line}
+    assert "pydantic" not in imported and "pydantic_core" not in imported
+
+
+def test_big_show_json_is_compact_and_the_same_object(tmp_path: Path) -> None:
+    sites = tmp_path / "sites"
+    sites.mkdir()
+    (sites / "big.yaml").write_text("scheduler: slurm\nnode: {cores: 64, memory: 512GiB, gpus: 8}\n"
+                                    "workers: {per: gpu}\n")
+    env = clean_env(HPC_GARAGE_SITES_PATH=str(sites))
+    big = hpcg("show", "--site", "big", "--nodes", "200", "--json", env=env, cwd=tmp_path)
+    small = hpcg("show", "--site", "big", "--nodes", "2", "--json", env=env, cwd=tmp_path)
+    assert big.returncode == small.returncode == 0, big.stderr + small.stderr
+    assert big.stdout.count("\n") == 1 and small.stdout.count("\n") > 100  # compact beyond 1,024 workers
+    data = json.loads(big.stdout)
+    assert len(data["workers"]) == 1600 and data["workers"][-1]["name"] == "n199-gpu7"
+    assert data["workers"][:16] == json.loads(small.stdout)["workers"]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from collections import Counter
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -166,3 +168,36 @@ def test_invariants(case: tuple[Site, Allocation]) -> None:
         assert 1 <= w.nthreads <= w.resources["CPU"]
         assert w.resources.get("GPU", 0) == len(w.gpu_slots)
         assert w.env["OMP_NUM_THREADS"] == str(w.resources["CPU"])
+
+
+@settings(max_examples=200, deadline=None)
+@given(cases(), st.one_of(st.none(), st.sampled_from(["7", "12.pbs-1", 'a"b%s\\é\u2028'])),
+       st.lists(st.sampled_from([None, "h0", "gpu-01.cluster", 'odd"host']), min_size=6, max_size=6))
+def test_to_json_is_the_compact_json_of_to_dict(case: tuple[Site, Allocation], job_id: str | None,
+                                                hosts: list[str | None]) -> None:
+    s, a = case
+    a = replace(a, job_id=job_id, nodes=tuple(replace(n, host=h) for n, h in zip(a.nodes, hosts)))
+    p = plan(s, a)
+    assert p.to_json() == json.dumps(p.to_dict(), separators=(",", ":"))
+    assert p.worker_count == len(p.workers)
+    fewer = replace(p, workers=p.workers[1:])  # a Plan given its workers encodes those
+    assert fewer.to_json() == json.dumps(fewer.to_dict(), separators=(",", ":"))
+    assert fewer.worker_count == len(fewer.workers)
+
+
+def test_nodes_of_different_shapes_in_one_plan() -> None:
+    four, two = ("0", "1", "2", "3"), ("0", "1")
+    a = Allocation(nodes=(NodeAllocation(32, 256 * GIB, four, "a"), NodeAllocation(32, 256 * GIB, two, "b"),
+                          NodeAllocation(32, 256 * GIB, four, "c")), job_id="9")
+    p = plan(site(), a)
+    assert [w.name for w in p.workers] == ["9-n0-gpu0", "9-n0-gpu1", "9-n0-gpu2", "9-n0-gpu3", "9-n1-gpu0",
+                                           "9-n1-gpu1", "9-n2-gpu0", "9-n2-gpu1", "9-n2-gpu2", "9-n2-gpu3"]
+    assert [w.host for w in p.workers] == ["a"] * 4 + ["b"] * 2 + ["c"] * 4
+    assert p.workers[4].resources["CPU"] == 16 and p.workers[0].resources["CPU"] == 8
+    assert p.to_json() == json.dumps(p.to_dict(), separators=(",", ":"))
+
+
+def test_workers_are_built_once_and_are_a_list() -> None:
+    p = plan(site(), alloc(nodes=2))
+    assert isinstance(p.workers, list) and p.workers is p.workers and len(p.workers) == 8
+    assert p == plan(site(), alloc(nodes=2))

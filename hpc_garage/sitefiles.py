@@ -1,0 +1,125 @@
+"""Finding and reading site files, and the unit converters of their values: everything about sites but pydantic.
+
+Kept apart from `hpc_garage.site` (the pydantic models) so that `show` and `sites` can load a site without
+importing pydantic, which alone costs as much as importing click (see `hpc_garage.siteview`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hpc_garage.errors import SiteError
+from hpc_garage.units import parse_memory, parse_walltime
+
+SITES_PATH_ENV = "HPC_GARAGE_SITES_PATH"
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+
+# ---------------------------------------------------------------------------------------- value converters
+# BeforeValidators of the site models, shared with the fast path so that both convert values the same way.
+
+
+def memory(value: Any) -> int:
+    return parse_memory(value, bare=None)
+
+
+def walltime(value: Any) -> int:
+    return parse_walltime(value)
+
+
+def cores(value: Any) -> Any:
+    return os.cpu_count() or 1 if value == "auto" else value
+
+
+def node_memory(value: Any) -> int:
+    if value == "auto":
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return memory(value)
+
+
+def walltime_or_zero(value: Any) -> int:
+    return 0 if value in (0, "0") else parse_walltime(value)
+
+
+# ---------------------------------------------------------------------------------------------- finding
+
+
+def search_path(env: dict[str, str] | None = None) -> list[Path]:
+    """Where site files are looked for, first match wins."""
+    env = os.environ if env is None else env
+    dirs = [Path(p).expanduser() for p in env.get(SITES_PATH_ENV, "").split(":") if p]
+    dirs += [Path.cwd() / "site-configs", Path("~/.config/hpc-garage/sites").expanduser(), packaged_dir("site-configs")]
+    return dirs
+
+
+def packaged_dir(name: str) -> Path:
+    """A data folder shipped with hpc-garage: inside the wheel, or beside the package in a source checkout."""
+    inside = Path(__file__).parent / "_data" / name
+    return inside if inside.is_dir() else Path(__file__).parent.parent / name
+
+
+def find_sites(dirs: list[Path] | None = None) -> dict[str, Path]:
+    """Every visible site name and the file that wins for it (on the search path, or in `dirs`)."""
+    found: dict[str, Path] = {}
+    for directory in search_path() if dirs is None else dirs:
+        for file in sorted(directory.glob("*.y*ml")) if directory.is_dir() else []:
+            if file.suffix in (".yaml", ".yml"):
+                found.setdefault(file.stem, file)
+    return found
+
+
+def site_file(name_or_path: str | Path, find: Callable[[], dict[str, Path]] = find_sites) -> Path:
+    """The file of the site called NAME among `find()` (the search path), or the file at PATH."""
+    candidate = Path(name_or_path)
+    if candidate.suffix in (".yaml", ".yml") or os.sep in str(name_or_path):
+        if not candidate.is_file():
+            raise SiteError(f"site file {str(candidate)!r} does not exist; check the path")
+        return candidate
+    sites = find()
+    if str(name_or_path) not in sites:
+        import difflib
+
+        close = difflib.get_close_matches(str(name_or_path), list(sites), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise SiteError(
+            f"unknown site {str(name_or_path)!r}; {hint}`hpc-garage sites` lists the {len(sites)} known sites "
+            f"(searched ${SITES_PATH_ENV}, ./site-configs, ~/.config/hpc-garage/sites and the packaged sites)"
+        )
+    return sites[str(name_or_path)]
+
+
+# ---------------------------------------------------------------------------------------------- reading
+
+
+class _SiteLoader(yaml.SafeLoader):
+    """SafeLoader without YAML 1.1's base-60 integers, so `walltime: 01:00:00` stays a string."""
+
+
+_SiteLoader.yaml_implicit_resolvers = {
+    key: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:int"]
+    for key, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_SiteLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:int", re.compile(r"^[-+]?(0|[1-9][0-9_]*)$"), list("-+0123456789")
+)
+
+
+def read_site_file(path: Path) -> dict[str, Any]:
+    """The file's keys as written, `name` defaulting to the file's stem; not yet validated."""
+    try:
+        data = yaml.load(path.read_text(), Loader=_SiteLoader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise SiteError(f"{path}: not valid YAML{where}: {getattr(exc, 'problem', exc)}; fix the syntax") from None
+    except OSError as exc:
+        raise SiteError(f"{path}: cannot read: {exc.strerror}") from None
+    if not isinstance(data, dict):
+        raise SiteError(f"{path}: expected a mapping of keys (scheduler:, node:, ...), got {type(data).__name__}")
+    data.setdefault("name", path.stem)
+    return data
