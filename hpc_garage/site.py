@@ -56,14 +56,15 @@ class Limits(_Strict):
 
 
 class MpiSettings(_Strict):
-    """How the mpi launcher starts its ranks inside an allocation.
+    """How the mpi launcher starts its node processes (one per node) inside an allocation.
 
     `srun` is the SLURM way; `mpiexec` runs over the job's node list (PBS, or SLURM without PMI support).
     `flavor` says whose mpiexec it is, because OpenMPI and MPICH/Hydra spell "ranks per node" differently.
+    The node processes use no MPI themselves, so srun needs no `--mpi` plugin (`srun_args` adds options).
     """
 
     launch: Literal["auto", "srun", "mpiexec"] = "auto"
-    srun_args: list[str] = Field(default_factory=lambda: ["--mpi=pmix"])
+    srun_args: list[str] = Field(default_factory=list)
     mpiexec: str = "mpiexec"
     flavor: Literal["openmpi", "mpich"] = "openmpi"
     mpiexec_args: list[str] = Field(default_factory=list)

@@ -100,7 +100,7 @@ LIMITS = [
 ]
 MPI = [
     ("launch", "auto", _choice("auto", "srun", "mpiexec")),
-    ("srun_args", ["--mpi=pmix"], _texts),
+    ("srun_args", [], _texts),
     ("mpiexec", "mpiexec", _text()),
     ("flavor", "openmpi", _choice("openmpi", "mpich")),
     ("mpiexec_args", [], _texts),
