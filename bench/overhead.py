@@ -23,13 +23,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import PYTHON, SCRIPTS, Figure, compare, cpu_seconds, read_json_when_ready, say, wait_idle
+from bench.common import PYTHON, SCRIPTS, Figure, Phases, compare, cpu_seconds, read_json_when_ready, say, wait_idle
 
 GROUP = "per-task overhead: {n} trivial tasks, 2 workers x 1 thread"
 OURS = "hpc-garage task_runner()"
 PLAIN = "prefect-dask DaskTaskRunner(address=...)"
 RAW = "raw Client.map (no Prefect)"
 THREADS = "Prefect ThreadPoolTaskRunner(max_workers=2)"
+PHASES = Phases()  # where the wall time goes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,15 +47,17 @@ def measure(n: int, runs: int) -> dict[str, Any]:
     from hpc_garage.prefect import use_api
     from hpc_garage.prefect_server import ensure_api, server_status
 
-    api = ensure_api()
+    with PHASES("Prefect server and cluster up"):
+        api = ensure_api()
     use_api(api)
     server_pid = int(server_status().get("pid") or 0)
     info_file = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-cluster-{os.getpid()}.json"
     cluster = subprocess.Popen([PYTHON, str(SCRIPTS / "cluster.py"), "--workers", "2", "--threads", "1",
                                 "--out", str(info_file)], stdin=subprocess.PIPE, env={**os.environ, **api})
     try:
-        info = read_json_when_ready(info_file, 120, alive=lambda: cluster.poll() is None)
-        return _measure(info, n, runs, server_pid)
+        with PHASES("Prefect server and cluster up"):
+            info = read_json_when_ready(info_file, 120, alive=lambda: cluster.poll() is None)
+        return _measure(info, n, runs, server_pid) | {"phases": PHASES.to_dict()}
     finally:
         assert cluster.stdin is not None
         cluster.stdin.close()
@@ -111,14 +114,17 @@ def _measure(info: dict[str, Any], n: int, runs: int, server_pid: int) -> dict[s
             **{f"worker {i}": p for i, p in enumerate(info["worker_pids"])}}
     for name, run in contenders.items():  # warm-up: imports, first flow run, connections
         say(f"overhead: warm-up {name}")
-        run(min(n, 5))
+        with PHASES("warm-up"):
+            run(min(n, 5))
     samples: dict[str, list[dict[str, Any]]] = {name: [] for name in contenders}
     for i in range(runs):
         for name, run in contenders.items():
             if server_pid:
-                wait_idle(server_pid)
+                with PHASES("waiting for the Prefect server to idle"):
+                    wait_idle(server_pid)
             before = {k: _cpu(p) for k, p in pids.items()}
-            result = run(n)
+            with PHASES(f"run: {name}"):
+                result = run(n)
             after = {k: _cpu(p) for k, p in pids.items()}
             result["cpu_ms_per_task"] = {k: round(1000 * (after[k] - before[k]) / n, 1) for k in pids}
             if name == OURS:  # read at once: the runner promises the API has them when the flow returns

@@ -49,6 +49,8 @@ def markdown(report: dict[str, Any]) -> str:
 
 def _extra(name: str, section: dict[str, Any]) -> list[str]:
     out = []
+    if section.get("phases"):  # where the wall time went, measured or not (summed over runs)
+        out.append("- wall time by phase: " + ", ".join(f"{k} {v:.0f} s" for k, v in section["phases"].items()))
     if name == "overhead":
         for who, cpu in section.get("cpu_ms_per_task", {}).items():
             parts = ", ".join(f"{k} {v:g}" for k, v in cpu.items())

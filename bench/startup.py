@@ -5,30 +5,36 @@
 
 SLURM contenders, each a user's whole path from submitting to a first Prefect task:
 - hpc-garage's mpi launcher: `hpc-garage submit --site lab-gpu` (the site plus one set-up line that stamps
-  the job's start); `run` starts the scheduler and one rank per GPU, then the flow (first_task.py).
+  the job's start); `run` starts the scheduler, one rank per GPU and the flow (first_task.py); its workers
+  count as registered when `run` publishes the scheduler file (its mtime), the peers' when
+  `client.wait_for_workers` returns.
 - dask-mpi written by hand: `mpirun dask-mpi --scheduler-file ...` (scheduler on rank 0) plus the user's
   client script, `Client(scheduler_file=...)` + prefect-dask (peer_driver.py), in one batch script.
 - dask-jobqueue's SLURMRunner under plain srun (slurmrunner_driver.py).
 - dask-jobqueue's SLURMCluster from the login node, one job per node, 4 worker processes each.
 Every peer gets the same running Prefect API (else each worker starts its own server, ~20 s): the
 comparison is of the clusters, not of Prefect set-up. Peers' client scripts import Prefect while their
-workers start; hpc-garage's flow starts only once every worker is registered.
+workers start. Each run's sample is written by its first task as it starts; the bench then kills the job
+(SIGKILL) rather than wait for its flow and teardown, which no figure includes. `phases` in the output (and
+the report's Details) say where the wall time went: waiting for free nodes, submit -> sample, ending jobs.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.common import (BIN, PYTHON, ROOT, SCRIPTS, Figure, Jobs, compare, ratio_to_best, read_json_when_ready,
-                          say, scratch, wait_for_free_nodes)
+from bench.common import (BIN, PYTHON, ROOT, SCRIPTS, Figure, Jobs, Phases, compare, ratio_to_best,
+                          read_json_when_ready, say, scratch, wait_for_free_nodes)
 
 OURS = "hpc-garage mpi launcher (hpc-garage submit)"
 DASK_MPI = "dask-mpi CLI + Client(scheduler_file) by hand"
@@ -38,6 +44,7 @@ LOGIN_OURS = "hpc-garage run -- python sweep.py"
 LOGIN_PLAIN = "@flow(task_runner=DaskTaskRunner()), no Prefect server configured"
 SITE = "bench-lab-gpu"
 WORKERS_PER_NODE = 4
+PHASES = Phases()  # where the wall time goes: waiting for nodes, submit -> sample, ending the job, login runs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
             figures += login_startup(args.runs)
     finally:
         jobs.cancel([j for j in jobs.ids if _queued(j)])
-    Path(args.out).write_text(json.dumps({"figures": [f.to_dict() for f in figures]}, indent=2))
+    Path(args.out).write_text(json.dumps({"figures": [f.to_dict() for f in figures], "phases": PHASES.to_dict()},
+                                         indent=2))
     return 0
 
 
@@ -77,7 +85,7 @@ def slurm_startup(nodes: int, runs: int, jobs: Jobs) -> list[Figure]:
         OURS: lambda d: _hpc_garage(d, nodes, env, jobs),
         DASK_MPI: lambda d: _dask_mpi(d, nodes, env, jobs),
         RUNNER: lambda d: _slurm_runner(d, nodes, env, jobs),
-        CLUSTER: lambda d: _slurm_cluster(d, nodes, env),
+        CLUSTER: lambda d: _slurm_cluster(d, nodes, env, jobs),
     }
     samples: dict[str, list[dict[str, float]]] = {name: [] for name in contenders}
     failures: dict[str, str] = {}
@@ -85,7 +93,9 @@ def slurm_startup(nodes: int, runs: int, jobs: Jobs) -> list[Figure]:
         for name, run in contenders.items():
             if name in failures:
                 continue
-            wait_for_free_nodes()
+            before = dict(PHASES.seconds)
+            with PHASES("waiting for free nodes"):
+                wait_for_free_nodes()
             directory = scratch("startup-")
             try:
                 sample = run(directory)
@@ -96,7 +106,8 @@ def slurm_startup(nodes: int, runs: int, jobs: Jobs) -> list[Figure]:
             samples[name].append(sample)
             shutil.rmtree(directory, ignore_errors=True)
             say(f"start-up {nodes} node(s) run {i + 1}/{runs}: {name}: registered {sample['registered']:.1f} s "
-                f"after the job started, first task {sample['first_task']:.1f} s after submit")
+                f"after the job started, first task {sample['first_task']:.1f} s after submit "
+                f"({PHASES.since(before)})")
     shutil.rmtree(sites, ignore_errors=True)
     shape = f"{nodes} node{'s' if nodes > 1 else ''} x {WORKERS_PER_NODE} workers"
     figures = []
@@ -114,15 +125,14 @@ def _hpc_garage(directory: Path, nodes: int, env: dict[str, str], jobs: Jobs) ->
     out = directory / "out.json"
     run_env = {**env, "HPC_GARAGE_BENCH_DIR": str(directory)}
     submitted = time.time()
-    done = subprocess.run([str(BIN / "hpc-garage"), "submit", "--site", SITE, "--nodes", str(nodes),
-                           str(SCRIPTS / "first_task.py"), str(out)], env=run_env, cwd=directory,
-                          capture_output=True, text=True, timeout=60)
+    with PHASES("submit -> sample"):
+        done = subprocess.run([str(BIN / "hpc-garage"), "submit", "--site", SITE, "--nodes", str(nodes),
+                               str(SCRIPTS / "first_task.py"), str(out)], env=run_env, cwd=directory,
+                              capture_output=True, text=True, timeout=60)
     if done.returncode != 0:
         raise RuntimeError(f"hpc-garage submit: {done.stderr.strip()[-300:]}")
     job = jobs.adopt(done.stdout + done.stderr)
-    result = read_json_when_ready(out, 180, alive=lambda: _queued(job))
-    jobs.end(job)
-    return _sample(directory, result, submitted)
+    return _finish(directory, job, jobs, submitted)
 
 
 def _batch_script(directory: Path, nodes: int, tasks_per_node: int, body: str) -> Path:
@@ -155,9 +165,7 @@ wait
     script = _batch_script(directory, nodes, WORKERS_PER_NODE + 1, body)
     submitted = time.time()
     job = jobs.sbatch(script, env=env)
-    result = read_json_when_ready(directory / "out.json", 180, alive=lambda: _queued(job))
-    jobs.end(job)
-    return _sample(directory, result, submitted)
+    return _finish(directory, job, jobs, submitted)
 
 
 def _slurm_runner(directory: Path, nodes: int, env: dict[str, str], jobs: Jobs) -> dict[str, float]:
@@ -167,26 +175,56 @@ def _slurm_runner(directory: Path, nodes: int, env: dict[str, str], jobs: Jobs) 
     script = _batch_script(directory, nodes, per_node, body)
     submitted = time.time()
     job = jobs.sbatch(script, env=env)
-    result = read_json_when_ready(directory / "out.json", 180, alive=lambda: _queued(job))
-    jobs.end(job)
-    return _sample(directory, result, submitted)
+    return _finish(directory, job, jobs, submitted)
 
 
-def _slurm_cluster(directory: Path, nodes: int, env: dict[str, str]) -> dict[str, float]:
+def _slurm_cluster(directory: Path, nodes: int, env: dict[str, str], jobs: Jobs) -> dict[str, float]:
+    """The driver runs here (a login node's client); once its first task has written the sample, the driver
+    and its worker jobs are ended like the other contenders' jobs, not left to close themselves."""
     workers = WORKERS_PER_NODE * nodes
     out = directory / "out.json"
-    done = subprocess.run([PYTHON, str(SCRIPTS / "peer_driver.py"), "--jobqueue", str(nodes), "--workers",
-                           str(workers), "--out", str(out), "--job-start-dir", str(directory)],
-                          env=env, cwd=directory, capture_output=True, text=True, timeout=240)
-    if done.returncode != 0 or not out.exists():
-        raise RuntimeError(f"SLURMCluster driver exited {done.returncode}: {done.stderr.strip()[-300:]}")
-    result = json.loads(out.read_text())
+    name = f"bench-{directory.name}"
+    with PHASES("submit -> sample"):
+        driver = _started([PYTHON, str(SCRIPTS / "peer_driver.py"), "--jobqueue", str(nodes), "--workers",
+                           str(workers), "--out", str(out), "--job-start-dir", str(directory), "--job-name", name],
+                          env=env, cwd=directory)
+        try:
+            result = read_json_when_ready(out, 240, alive=lambda: driver.poll() is None)
+        except TimeoutError:
+            raise RuntimeError(f"SLURMCluster driver exited {driver.poll()}: {_tail(driver, directory)[-300:]}") from None
+    with PHASES("ending the job"):
+        ids = _named_jobs(name)
+        jobs.ids += ids
+        _stop(driver)
+        for job in ids:
+            jobs.end(job)
     return _sample(directory, result, result["submitted"])
+
+
+def _finish(directory: Path, job: str, jobs: Jobs, submitted: float) -> dict[str, float]:
+    """Wait for the sample the job's first task writes, then end the job at once (nobody measures its end)."""
+    with PHASES("submit -> sample"):
+        result = read_json_when_ready(directory / "out.json", 180, alive=lambda: _queued(job))
+    with PHASES("ending the job"):
+        jobs.end(job)
+    return _sample(directory, result, submitted)
 
 
 def _sample(directory: Path, result: dict[str, float], submitted: float) -> dict[str, float]:
     starts = [float(x) for x in (directory / "job_start").read_text().split()]
     return {"registered": result["registered"] - min(starts), "first_task": result["first_task"] - submitted}
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    """End a process we started (in its own session) and everything still in that session, now."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+def _named_jobs(name: str) -> list[str]:
+    out = subprocess.run(["squeue", "-h", "-n", name, "-o", "%i"], capture_output=True, text=True).stdout
+    return out.split()
 
 
 def _queued(job: str) -> bool:
@@ -198,7 +236,11 @@ def _queued(job: str) -> bool:
 
 
 def login_startup(runs: int) -> list[Figure]:
-    """The same trivial sweep from a login node: hpc-garage's run vs prefect-dask with no API configured."""
+    """The same trivial sweep from a login node: hpc-garage's run vs prefect-dask with no API configured.
+
+    Each command is ended as soon as its sample is on disk (hpc-garage: the sweep's results file; plain: the
+    file each task writes as it starts): the flows' and clusters' ends are not measured, so not waited for.
+    """
     plain_home = Path(os.environ.get("HPC_GARAGE_BENCH_TMP") or Path.home() / ".cache" / "hpc-garage-bench") / "plain-prefect-home"
     plain_home.mkdir(parents=True, exist_ok=True)
     base = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "HPC_GARAGE_"))}
@@ -207,23 +249,29 @@ def login_startup(runs: int) -> list[Figure]:
     for i in range(runs):
         directory = scratch("login-")
         out = directory / "sweep.json"
-        start = time.time()
-        done = subprocess.run([str(BIN / "hpc-garage"), "run", "--", PYTHON, str(ROOT / "examples" / "sweep.py"),
-                               "--seeds", "2", "--lrs", "0.1", "--duration", "0.1", "--out", str(out)],
-                              env={**base, **quiet}, cwd=directory, capture_output=True, text=True, timeout=300)
-        if done.returncode == 0:
-            ours.append(min(r["start"] for r in json.loads(out.read_text())["records"]) - start)
-        else:
-            say(f"login node: hpc-garage run failed: {done.stderr[-500:]}")
-        out = directory / "plain.json"
-        start = time.time()
-        done = subprocess.run([PYTHON, str(SCRIPTS / "plain_login.py"), str(out)], cwd=directory,
-                              env={**base, **quiet, "PREFECT_HOME": str(plain_home)},
-                              capture_output=True, text=True, timeout=300)
-        if done.returncode == 0:
-            plain.append(json.loads(out.read_text())["first_task"] - start)
-        else:
-            say(f"login node: plain prefect-dask failed: {done.stderr[-500:]}")
+        with PHASES("login: hpc-garage run"):
+            start = time.time()
+            process = _started([str(BIN / "hpc-garage"), "run", "--", PYTHON, str(ROOT / "examples" / "sweep.py"),
+                                      "--seeds", "2", "--lrs", "0.1", "--duration", "0.1", "--out", str(out)],
+                                     env={**base, **quiet}, cwd=directory)
+            try:
+                result = read_json_when_ready(out, 300, alive=lambda: process.poll() is None)
+                ours.append(min(r["start"] for r in result["records"]) - start)
+            except TimeoutError:
+                say(f"login node: hpc-garage run failed: {_tail(process, directory)}")
+            _interrupt(process)  # `run` passes it to the sweep, already done, and tears its cluster down
+        prefix = directory / "plain"
+        with PHASES("login: plain prefect-dask"):
+            start = time.time()
+            process = _started([PYTHON, str(SCRIPTS / "plain_login.py"), str(prefix)], cwd=directory,
+                                     env={**base, **quiet, "PREFECT_HOME": str(plain_home)})
+            try:
+                starts = [read_json_when_ready(Path(f"{prefix}.{seed}.json"), 300,
+                                               alive=lambda: process.poll() is None)["start"] for seed in (0, 1)]
+                plain.append(min(starts) - start)
+            except TimeoutError:
+                say(f"login node: plain prefect-dask failed: {_tail(process, directory)}")
+            _stop(process)  # the flow's end and the temporary servers' shutdown are not measured
         shutil.rmtree(directory, ignore_errors=True)
         say(f"login node run {i + 1}/{runs}: hpc-garage {ours[-1] if ours else float('nan'):.1f} s, "
             f"plain {plain[-1] if plain else float('nan'):.1f} s to the first task")
@@ -233,6 +281,30 @@ def login_startup(runs: int) -> list[Figure]:
                       note="each worker starts its own temporary Prefect server on one SQLite file")]
     compare(figures, "<= 0.2x plain", lambda o, peers: ratio_to_best(o, peers) <= 0.2)
     return figures
+
+
+def _started(argv: list[str], env: dict[str, str], cwd: Path) -> subprocess.Popen[bytes]:
+    """Start a command in its own session (so that it and its workers can be ended together), its output to
+    cwd/output.log (a file: a pipe nobody reads while it runs could stall it)."""
+    with open(cwd / "output.log", "wb") as log:
+        return subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _interrupt(process: subprocess.Popen[bytes], grace: float = 15) -> None:
+    """SIGTERM, then (after `grace` s) SIGKILL to the whole session."""
+    with contextlib.suppress(ProcessLookupError):
+        process.terminate()
+    try:
+        process.wait(grace)
+    except subprocess.TimeoutExpired:
+        pass
+    _stop(process)
+
+
+def _tail(process: subprocess.Popen[bytes], cwd: Path) -> str:
+    _stop(process)
+    return (cwd / "output.log").read_text(errors="replace")[-500:]
 
 
 if __name__ == "__main__":

@@ -132,31 +132,19 @@ def job_spec(
     site_gpu_type = site.node.gpu_type
     if gpu_type and site_gpu_type and gpu_type != site_gpu_type:
         raise UserError(f"GPU type {gpu_type!r}: site {site.name} has {site_gpu_type!r} GPUs; drop the type or use another site")
-    spec = JobSpec(
-        scheduler=site.scheduler,
-        site=str(site.path.resolve()) if site.path else site.name,
-        site_name=site.name,
-        job_name=job_name_for(job_name, script),
+    spec = _spec(  # checked now, before anything is created or submitted
+        site,
         nodes=len(allocation.nodes),
         tasks_per_node=len(first),
         cpus_per_task=int(first[0].resources["CPU"]),
         gpus_per_node=len(allocation.nodes[0].gpus),
         gpu_type=gpu_type or site_gpu_type,
         memory=allocation.nodes[0].memory,
-        walltime=allocation.walltime or site.walltime,
-        queue=queue or site.queue,
-        account=account or site.account,
-        qos=qos or site.qos,
-        output=output,
-        error=error,
+        walltime=allocation.walltime,
         directives=(*site.directives, *extra_directives),
-        setup=tuple(site.setup),
-        workdir=workdir,
-        python=python,
-        script=script,
-        args=tuple(args),
+        script=script, args=args, output=output, error=error, workdir=workdir, python=python,
+        account=account, qos=qos, queue=queue, job_name=job_name,
     )
-    render(spec)  # every value checked now, before anything is created or submitted
     return spec, plan_
 
 
@@ -183,24 +171,65 @@ def driver_job_spec(
     jq = site.jobqueue
     allocation = Allocation.from_request(site, nodes=1, gpus_per_node=0, cores_per_node=jq.driver_cores,
                                          memory=jq.driver_memory, walltime=walltime)
-    spec = JobSpec(
-        scheduler=site.scheduler,
-        site=str(site.path.resolve()) if site.path else site.name,
-        site_name=site.name,
-        job_name=job_name_for(job_name, script),
+    spec = _spec(
+        site,
         nodes=1,
         tasks_per_node=1,
         cpus_per_task=jq.driver_cores,
         gpus_per_node=0,
         gpu_type=None,
         memory=jq.driver_memory,
-        walltime=allocation.walltime or site.walltime,
+        walltime=allocation.walltime,
+        directives=(*jq.driver_directives, *extra_directives),
+        script=script, args=args, output=output, error=error, workdir=workdir, python=python,
+        account=account, qos=qos, queue=queue, job_name=job_name,
+    )
+    return spec, next(iter(job_shapes(site).values())).plan
+
+
+def _spec(
+    site: Site,
+    *,
+    nodes: int,
+    tasks_per_node: int,
+    cpus_per_task: int,
+    gpus_per_node: int,
+    gpu_type: str | None,
+    memory: int,
+    walltime: int | None,
+    directives: tuple[str, ...],
+    script: str,
+    args: Sequence[str],
+    output: str,
+    error: str | None,
+    workdir: str,
+    python: str,
+    account: str | None,
+    qos: str | None,
+    queue: str | None,
+    job_name: str | None,
+) -> JobSpec:
+    """The checked JobSpec of a job of `site` with this shape (the mpi job's or the jobqueue driver's): what
+    both share (job name, the site's defaults, directives, setup, the command) is resolved here, once, and
+    every value is checked by rendering it before anything is created or submitted."""
+    spec = JobSpec(
+        scheduler=site.scheduler,
+        site=str(site.path.resolve()) if site.path else site.name,
+        site_name=site.name,
+        job_name=job_name_for(job_name, script),
+        nodes=nodes,
+        tasks_per_node=tasks_per_node,
+        cpus_per_task=cpus_per_task,
+        gpus_per_node=gpus_per_node,
+        gpu_type=gpu_type,
+        memory=memory,
+        walltime=walltime or site.walltime,
         queue=queue or site.queue,
         account=account or site.account,
         qos=qos or site.qos,
         output=output,
         error=error,
-        directives=(*jq.driver_directives, *extra_directives),
+        directives=directives,
         setup=tuple(site.setup),
         workdir=workdir,
         python=python,
@@ -208,7 +237,7 @@ def driver_job_spec(
         args=tuple(args),
     )
     render(spec)
-    return spec, next(iter(job_shapes(site).values())).plan
+    return spec
 
 
 def _cores_for(site: Site, per_worker: int, **request: int | None) -> int:

@@ -1,4 +1,5 @@
-"""Shared test set-up: the `slurm` marker, and helpers to build sites in tmp dirs."""
+"""Shared test set-up: the `slurm` marker, helpers to build sites in tmp dirs, and the Prefect server, Dask
+cluster and task runner that the Prefect tests share (fixtures `api`, `cluster`, `runner`)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,16 @@ import functools
 import os
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:  # Prefect and Dask are imported only by the tests that use these fixtures
+    from distributed import SpecCluster
+
+    from hpc_garage.prefect import HpcTaskRunner
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).resolve().parent / "data"
@@ -51,6 +59,65 @@ def read_env_dump(path: Path) -> dict[str, str]:
             key, _, value = line.partition("=")
             env[key] = value
     return env
+
+
+# ------------------------------------------------------------------------ Prefect and Dask (test_prefect*)
+
+
+@pytest.fixture(scope="module")
+def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """One hpc-garage Prefect server per test module, in a private HOME (results persist under it)."""
+    from hpc_garage import prefect_fast
+    from hpc_garage.prefect import use_api
+    from hpc_garage.prefect_server import ensure_api, stop_server
+
+    home = tmp_path_factory.mktemp("home")
+    saved = dict(os.environ)
+    os.environ["HOME"] = str(home)
+    for name in ("PREFECT_API_URL", "PREFECT_PROFILE", "PREFECT_HOME", "HPC_GARAGE_SCHEDULER_FILE",
+                 prefect_fast.DISABLE_ENV):
+        os.environ.pop(name, None)
+    env = ensure_api()
+    use_api(env)
+    yield env
+    stop_server()
+    os.environ.clear()
+    os.environ.update(saved)
+    import prefect.context
+
+    prefect.context.refresh_global_settings_context()
+
+
+@pytest.fixture(scope="module")
+def cluster(api: dict[str, str]) -> Iterator[SpecCluster]:
+    """One worker with a GPU, one without, two threads each: nothing but resources keeps tasks apart."""
+    from distributed import Nanny, Scheduler, SpecCluster
+
+    scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard_address": ":0"}}
+    workers = {"gpu": {"cls": Nanny, "options": {"nthreads": 2, "resources": {"GPU": 1, "CPU": 2}}},
+               "cpu": {"cls": Nanny, "options": {"nthreads": 2, "resources": {"CPU": 2}}}}
+    with SpecCluster(workers=workers, scheduler=scheduler) as c:
+        yield c
+
+
+@pytest.fixture
+def runner(cluster: SpecCluster) -> HpcTaskRunner:
+    from hpc_garage.prefect import task_runner
+
+    return task_runner(address=cluster.scheduler_address)
+
+
+def task_runs(flow_run_id: Any) -> list[Any]:
+    """The task runs Prefect's API holds for one flow run."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        return client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
+                                     limit=200)
+
+
+# ------------------------------------------------------------------------------------------ session end
 
 
 _exit_status: list[int] = []

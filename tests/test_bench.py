@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from bench import common
 from bench.common import Figure, compare, ratio_to_best
 from bench.packing import gpu_overlaps, lower_bound
 from bench.report import markdown
@@ -57,6 +58,27 @@ def test_report_shows_every_figure_with_its_goal_and_misses_in_bold() -> None:
     assert "| start-up | **hpc-garage** | 6.00 s | 5.00 s – 7.00 s | 3.00× peer | <= 0.8x the best peer | **no** |" in text
     assert "|  | peer | 2.00 s |" in text
     assert "skipped: no SLURM" in text and "- cpu: x" in text
+    report["benchmarks"]["startup"]["phases"] = {"submit -> sample": 40.0, "ending the job": 4.04}
+    assert "- wall time by phase: submit -> sample 40 s, ending the job 4 s" in markdown(report)
+
+
+def test_phases_add_up_each_phase_over_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = iter([0.0, 2.0, 10.0, 10.5, 20.0, 23.0])
+    monkeypatch.setattr(common.time, "monotonic", lambda: next(clock))
+    phases = common.Phases()
+    for name in ("wait", "end", "wait"):
+        with phases(name):
+            pass
+    assert phases.to_dict() == {"wait": 5.0, "end": 0.5}
+    assert phases.since({"wait": 2.0}) == "wait 3.0 s, end 0.5 s"
+
+
+def test_read_json_when_ready_waits_for_a_whole_file_and_gives_up_when_its_writer_ends(tmp_path: Path) -> None:
+    path = tmp_path / "out.json"
+    path.write_text(json.dumps({"first_task": 1.5}))
+    assert common.read_json_when_ready(path, timeout=5) == {"first_task": 1.5}
+    with pytest.raises(TimeoutError, match="ended"):
+        common.read_json_when_ready(tmp_path / "never.json", timeout=60, alive=lambda: False, check_every=0)
 
 
 @pytest.mark.slow

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,55 +25,13 @@ from prefect_dask import DaskTaskRunner
 import hpc_garage
 from hpc_garage.errors import UserError
 from hpc_garage.handoff import Handoff, RunDir
-from hpc_garage.prefect import HpcTaskRunner, task_runner, use_api
-from hpc_garage.prefect_server import ensure_api, stop_server
+from hpc_garage.prefect import HpcTaskRunner, task_runner
+from tests.conftest import task_runs
 
 ROOT = Path(__file__).resolve().parent.parent
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # worker processes cannot import this file
 
 pytestmark = pytest.mark.slow
-
-
-# --------------------------------------------------------------------------------------------- fixtures
-
-
-@pytest.fixture(scope="module")
-def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    """One hpc-garage Prefect server for every test here, in a private HOME."""
-    home = tmp_path_factory.mktemp("home")
-    saved = dict(os.environ)
-    os.environ["HOME"] = str(home)
-    for name in ("PREFECT_API_URL", "PREFECT_PROFILE", "PREFECT_HOME", "HPC_GARAGE_SCHEDULER_FILE"):
-        os.environ.pop(name, None)
-    env = ensure_api()
-    use_api(env)
-    yield env
-    stop_server()
-    os.environ.clear()
-    os.environ.update(saved)
-    import prefect.context
-
-    prefect.context.refresh_global_settings_context()
-
-
-def two_workers() -> dict[str, Any]:
-    """One worker with a GPU, one without; two threads each, so nothing but resources keeps tasks apart."""
-    return {
-        "gpu": {"cls": Nanny, "options": {"nthreads": 2, "resources": {"GPU": 1, "CPU": 2}}},
-        "cpu": {"cls": Nanny, "options": {"nthreads": 2, "resources": {"CPU": 2}}},
-    }
-
-
-@pytest.fixture(scope="module")
-def cluster(api: dict[str, str]) -> Iterator[SpecCluster]:
-    scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard_address": ":0"}}
-    with SpecCluster(workers=two_workers(), scheduler=scheduler) as c:
-        yield c
-
-
-@pytest.fixture
-def runner(cluster: SpecCluster) -> HpcTaskRunner:
-    return task_runner(address=cluster.scheduler_address)
 
 
 # ---------------------------------------------------------------------------------------------- tasks
@@ -119,14 +76,6 @@ def load_example(name: str) -> Any:
     spec.loader.exec_module(module)
     cloudpickle.register_pickle_by_value(module)
     return module
-
-
-def task_runs(flow_run_id: Any) -> list[Any]:
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
-    with get_client(sync_client=True) as client:
-        return client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
 
 
 # ------------------------------------------------------------------------------------------- placement

@@ -4,62 +4,25 @@ No timings here: bench/ measures speed."""
 
 from __future__ import annotations
 
-import os
 import sys
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import cloudpickle
 import pytest
-from distributed import Client, Nanny, Scheduler, SpecCluster, get_worker
+from distributed import Client, SpecCluster, get_worker
 from prefect import flow, task
 from prefect.context import FlowRunContext
 from prefect_dask import DaskTaskRunner
 
 import hpc_garage
 from hpc_garage import prefect_fast
-from hpc_garage.prefect import HpcTaskRunner, task_runner, use_api
-from hpc_garage.prefect_server import ensure_api, stop_server
+from hpc_garage.prefect import HpcTaskRunner
+from tests.conftest import task_runs
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # worker processes cannot import this file
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    """One hpc-garage Prefect server for this module, in a private HOME (results persist under it)."""
-    home = tmp_path_factory.mktemp("home")
-    saved = dict(os.environ)
-    os.environ["HOME"] = str(home)
-    for name in ("PREFECT_API_URL", "PREFECT_PROFILE", "PREFECT_HOME", "HPC_GARAGE_SCHEDULER_FILE",
-                 prefect_fast.DISABLE_ENV):
-        os.environ.pop(name, None)
-    env = ensure_api()
-    use_api(env)
-    yield env
-    stop_server()
-    os.environ.clear()
-    os.environ.update(saved)
-    import prefect.context
-
-    prefect.context.refresh_global_settings_context()
-
-
-@pytest.fixture(scope="module")
-def cluster(api: dict[str, str]) -> Iterator[SpecCluster]:
-    """One worker with a GPU, one without, two threads each: what the placement tests need."""
-    scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard_address": ":0"}}
-    workers = {"gpu": {"cls": Nanny, "options": {"nthreads": 2, "resources": {"GPU": 1, "CPU": 2}}},
-               "cpu": {"cls": Nanny, "options": {"nthreads": 2, "resources": {"CPU": 2}}}}
-    with SpecCluster(workers=workers, scheduler=scheduler) as c:
-        yield c
-
-
-@pytest.fixture
-def runner(cluster: SpecCluster) -> HpcTaskRunner:
-    return task_runner(address=cluster.scheduler_address)
 
 
 def stats(cluster: SpecCluster) -> dict[str, dict[str, int]]:
@@ -72,15 +35,6 @@ def stats(cluster: SpecCluster) -> dict[str, dict[str, int]]:
 
 def delta(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]], key: str) -> dict[str, int]:
     return {name: after[name][key] - before.get(name, {}).get(key, 0) for name in after}
-
-
-def task_runs(flow_run_id: Any) -> list[Any]:
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
-    with get_client(sync_client=True) as client:
-        return client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
-                                     limit=200)
 
 
 # ---------------------------------------------------------------------------------------------- tasks

@@ -1,5 +1,6 @@
 """dask-jobqueue's SLURMRunner under plain srun: SLURM_PROCID 0 runs the scheduler, 1 this client code,
-the rest are workers. Prefect is imported only where the client code runs.
+the rest are workers. Prefect is imported only where the client code runs. The task writes DIR/out.json
+as it starts (atomically), so the bench has its sample then and can end the job at once.
 
     srun -n WORKERS+2 python slurmrunner_driver.py DIR
 """
@@ -28,13 +29,17 @@ if __name__ == "__main__":
             from prefect_dask import DaskTaskRunner
 
             @task
-            def first() -> float:
-                return time.time()
+            def first(result: dict, out: str) -> float:
+                started = time.time()
+                with open(out + ".tmp", "w") as f:
+                    json.dump({**result, "first_task": started}, f)
+                os.replace(out + ".tmp", out)
+                return started
+
+            sample = {"registered": registered, "workers": runner.n_workers}  # plain data: the flow is pickled
 
             @flow(task_runner=DaskTaskRunner(address=client.scheduler.address))
             def go() -> float:
-                return first.submit().result()
+                return first.submit(sample, os.path.join(directory, "out.json")).result()
 
-            started_task = go()
-            with open(os.path.join(directory, "out.json"), "w") as out:
-                json.dump({"registered": registered, "first_task": started_task, "workers": runner.n_workers}, out)
+            go()
