@@ -1,10 +1,11 @@
 """`hpc-garage run -- COMMAND`: bring a Dask cluster up for this job, hand it to COMMAND, take it down.
 
-Inside a SLURM or PBS job the workers are MPI ranks across the allocation; on a login node they are local
-processes shaped like one node of the site; on a `launcher: jobqueue` site they are worker jobs of their own
-(launchers/jobqueue.py), wherever `run` runs. Either way the scheduler runs here, in this process (so it never
-takes a GPU worker's place), every worker must register before COMMAND starts, COMMAND finds the cluster
-through $HPC_GARAGE_SCHEDULER_FILE, and `run` exits with COMMAND's exit code.
+Inside a SLURM or PBS job the workers are hosted by one process per node of the allocation (launchers/mpi.py);
+on a login node they are local processes shaped like one node of the site; on a `launcher: jobqueue` site they
+are worker jobs of their own (launchers/jobqueue.py), wherever `run` runs. Either way the scheduler runs here,
+in this process (so it never takes a GPU worker's place). COMMAND starts with the workers, so that its imports
+overlap theirs, and finds the cluster through $HPC_GARAGE_SCHEDULER_FILE, which appears only once every worker
+has registered; `run` exits with COMMAND's exit code.
 """
 
 from __future__ import annotations
@@ -117,12 +118,13 @@ async def _serve(site: Site, plan_: Plan, launcher: Launcher, rundir: RunDir, jo
         proc = await _start_command(command, child_env, interrupted)  # it imports Prefect while the cluster starts
         from distributed import Scheduler  # about a second of imports, while the others start
 
+        from hpc_garage.placement import install
+
         if tls is not None:
             rundir.write_credentials()
         scheduler = Scheduler(port=0, dashboard_address=":0", security=security_from(tls),
                               protocol="tls" if tls else "tcp", scheduler_file=str(rundir.dask_scheduler_file),
                               **launcher.scheduler_host)
-        from hpc_garage.placement import install
         install(scheduler)  # resource tasks go only to workers with them free (placement.py); every launcher
         await scheduler
         _import_in_background(scheduler_preload(env))
