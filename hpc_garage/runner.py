@@ -18,6 +18,7 @@ import os
 import shutil
 import signal
 import sys
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -110,6 +111,7 @@ async def _serve(site: Site, plan_: Plan, launcher: Launcher, rundir: RunDir, jo
                  RUN_DIR_ENV: str(rundir.path), SITE_ENV: site.name, START_TIMEOUT_ENV: f"{timeout:g}",
                  **launcher.command_env}
     scheduler: Any = None
+    preload: threading.Thread | None = None
     code: int | None = None
     proc: asyncio.subprocess.Process | None = None
     interrupted = _stop_on_signals()
@@ -127,7 +129,7 @@ async def _serve(site: Site, plan_: Plan, launcher: Launcher, rundir: RunDir, jo
                               **launcher.scheduler_host)
         install(scheduler)  # resource tasks go only to workers with them free (placement.py); every launcher
         await scheduler
-        _import_in_background(scheduler_preload(env))
+        preload = _import_in_background(scheduler_preload(env))
         await launcher.start(scheduler.address, tls, worker_env, rundir)
         if await _wait(scheduler, expected, timeout, launcher, state, proc):
             say(f"{len(expected)} workers registered in {time.monotonic() - started:.1f} s; scheduler {scheduler.address}")
@@ -152,23 +154,26 @@ async def _serve(site: Site, plan_: Plan, launcher: Launcher, rundir: RunDir, jo
             await _retire(scheduler)
             await scheduler.close(reason="hpc-garage run: command finished")
         await launcher.stop()
+        if preload is not None:  # an interpreter exiting mid-import in a thread can crash (seen: SIGSEGV)
+            await asyncio.get_running_loop().run_in_executor(None, preload.join, 60)
         state("done" if code is not None else "failed", exit_code=code)
     return code if code is not None else 128 + interrupted[0] if interrupted else 1
 
 
-def _import_in_background(modules: list[str]) -> None:
+def _import_in_background(modules: list[str]) -> threading.Thread:
     """Import what the workers preload (Prefect) here too, while the workers start: the scheduler unpickles
     each task it is sent, and the first Prefect task would otherwise import Prefect inside the scheduler's
     event loop, stalling every worker and client for ~2 s (measured) just as the sweep starts."""
     import importlib
-    import threading
 
     def load() -> None:
         for name in modules:
             with contextlib.suppress(Exception):
                 importlib.import_module(name)
 
-    threading.Thread(target=load, name="hpc-garage-preload", daemon=True).start()
+    thread = threading.Thread(target=load, name="hpc-garage-preload", daemon=True)
+    thread.start()
+    return thread
 
 
 def _on_signals(handler: Any) -> None:
