@@ -107,14 +107,24 @@ def runner(cluster: SpecCluster) -> HpcTaskRunner:
     return task_runner(address=cluster.scheduler_address)
 
 
-def task_runs(flow_run_id: Any) -> list[Any]:
-    """The task runs Prefect's API holds for one flow run."""
+def task_runs(flow_run_id: Any, *, settled: int = 0, timeout: float = 30) -> list[Any]:
+    """The task runs Prefect's API holds for one flow run; with `settled=N`, once N of them are in a final
+    state (plain prefect-dask returns before the server has recorded them: it records from events, in
+    batches; hpc-garage's runner waits for that, so its runs are read at once)."""
+    import time
+
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
+    deadline = time.monotonic() + timeout
     with get_client(sync_client=True) as client:
-        return client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
-                                     limit=200)
+        while True:
+            runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
+                                         limit=200)
+            final = [r for r in runs if r.state is not None and r.state.is_final()]
+            if len(final) >= settled or time.monotonic() > deadline:
+                return runs
+            time.sleep(0.2)
 
 
 # ------------------------------------------------------------------------------------------ session end

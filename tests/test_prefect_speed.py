@@ -171,7 +171,7 @@ def test_tagged_tasks_still_land_on_the_worker_with_the_resource(runner: HpcTask
 # ----------------------------------------------------------------------------- failures and retries
 
 
-def outcome(task_runner_: Any) -> dict[str, Any]:
+def outcome(task_runner_: Any, settled: int = 0) -> dict[str, Any]:
     @flow(task_runner=task_runner_)
     def retried() -> tuple[str, int]:
         failing = always_fails.submit(7)
@@ -185,7 +185,7 @@ def outcome(task_runner_: Any) -> dict[str, Any]:
 
     state = retried(return_state=True)
     raised, count = state.result()
-    runs = task_runs(state.state_details.flow_run_id)
+    runs = task_runs(state.state_details.flow_run_id, settled=settled)
     return {"raised": raised, "fails_once returned": count,
             "runs": sorted((r.name.rsplit("-", 1)[0], r.state.type.value, r.state.name, r.run_count) for r in runs)}
 
@@ -194,7 +194,7 @@ def test_failures_and_retries_match_plain_prefect_dask(runner: HpcTaskRunner, cl
     ours = outcome(runner)
     assert ours == {"raised": "ValueError: no luck 7", "fails_once returned": 2,
                     "runs": [("always_fails", "FAILED", "Failed", 3), ("fails_once", "COMPLETED", "Completed", 2)]}
-    assert ours == outcome(DaskTaskRunner(address=cluster.scheduler_address))
+    assert ours == outcome(DaskTaskRunner(address=cluster.scheduler_address), settled=2)
 
 
 def test_a_failed_flow_still_raises_the_task_error(runner: HpcTaskRunner) -> None:
