@@ -28,7 +28,8 @@ from hpc_garage.allocation import Allocation, in_batch_job
 from hpc_garage.errors import UserError
 from hpc_garage.handoff import (JOB_ID_ENV, RUN_DIR_ENV, SCHEDULER_FILE_ENV, START_TIMEOUT_ENV, Handoff, RunDir,
                                write_private)
-from hpc_garage.launchers.common import Launcher, listening_host, scheduler_preload, security_from
+from hpc_garage.launchers.common import (Launcher, end_process, listening_host, scheduler_preload,
+                                        security_from)
 from hpc_garage.layout import Plan, plan
 from hpc_garage.site import Site
 
@@ -277,13 +278,7 @@ async def _command_exit(proc: asyncio.subprocess.Process) -> int:
 
 async def _end_command(proc: asyncio.subprocess.Process) -> None:
     """COMMAND outlived a failed start-up: it is waiting for a cluster that will not come."""
-    for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-        if proc.returncode is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(sig)
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(proc.wait(), wait)
+    await end_process(proc, ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)))
 
 
 def site_for_run(name: str | None, env: Mapping[str, str]) -> Site:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import os
 import time
@@ -197,6 +198,26 @@ def listening_host(options: Mapping[str, Any]) -> str:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
         return "127.0.0.1"
+
+
+def node_gpus(env: Mapping[str, str]) -> list[str]:
+    """The GPU ids this node shows the job (its CUDA_VISIBLE_DEVICES), read on the node itself."""
+    raw = env.get("CUDA_VISIBLE_DEVICES", "")
+    return [x for x in raw.split(",") if x.strip() and x != "NoDevFiles"]
+
+
+async def end_process(proc: asyncio.subprocess.Process, steps: Iterable[tuple[int | None, float]], *,
+                      group: bool = False) -> None:
+    """Wait for `proc` to exit, escalating: each step sends its signal (None: just wait) to the process, or
+    its whole process group, then waits up to its seconds."""
+    for sig, wait in steps:
+        if proc.returncode is not None:
+            return
+        if sig is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig) if group else proc.send_signal(sig)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(proc.wait(), wait)
 
 
 def run_entry(main: Callable[[], int]) -> None:

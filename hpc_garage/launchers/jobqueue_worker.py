@@ -28,8 +28,8 @@ from typing import Any
 
 from hpc_garage.allocation import Allocation
 from hpc_garage.errors import UserError
-from hpc_garage.launchers.common import forkserver_env, run_entry, start_worker_forkserver, worker_preload
-from hpc_garage.launchers.mpi import node_gpus
+from hpc_garage.launchers.common import (forkserver_env, node_gpus, run_entry, security_from,
+                                        start_worker_forkserver, worker_preload)
 from hpc_garage.layout import WorkerSpec, pin_gpus, plan
 from hpc_garage.pools import JobShape, advertised, job_shapes, lifetime, worker_names
 from hpc_garage.site import Site, parse_site_dict
@@ -103,9 +103,8 @@ def main(argv: list[str] | None = None) -> int:
 async def _serve(data: dict[str, Any], shape: JobShape, workers: list[JobWorker], args: argparse.Namespace,
                  life: int, stagger: int) -> int:
     from distributed import Nanny
-    from distributed.security import Security
 
-    security = Security(require_encryption=True, **data["tls"]) if data["tls"] else None
+    security = security_from(data["tls"])
     site = shape.site
     where = {"interface": site.interface} if site.interface else {}
     nannies = [

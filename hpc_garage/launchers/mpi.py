@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from hpc_garage.errors import UserError
-from hpc_garage.launchers.common import (Launcher, forkserver_env, run_entry, security_from,
-                                        start_worker_forkserver, worker_options, worker_preload)
+from hpc_garage.launchers.common import (Launcher, end_process, forkserver_env, node_gpus, run_entry,
+                                        security_from, start_worker_forkserver, worker_options, worker_preload)
 from hpc_garage.layout import Plan, WorkerSpec, pin_gpus
 
 RANK_VARIABLES = ("SLURM_NODEID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "PALS_RANKID")
@@ -118,11 +118,6 @@ def node_index(name: str, hosts: list[str | None], rank: int | None) -> int:
         return matches[0]
     raise UserError(f"node {name!r} is not one of this job's nodes ({', '.join(map(str, hosts))}) and its "
                     f"launcher set none of {', '.join(RANK_VARIABLES)}; set the site's mpi.launch")
-
-
-def node_gpus(env: Mapping[str, str]) -> list[str]:
-    raw = env.get("CUDA_VISIBLE_DEVICES", "")
-    return [x for x in raw.split(",") if x.strip() and x != "NoDevFiles"]
 
 
 def node_workers(workers: list[WorkerSpec], node: int, gpus: list[str], gpu_env_vars: tuple[str, ...],
@@ -218,17 +213,8 @@ class MpiLauncher(Launcher):
 
     async def stop(self) -> None:
         """Workers leave when the scheduler closes; a launcher still running after that is ended."""
-        if self.proc is None or self.proc.returncode is not None:
-            return
-        for sig, wait in ((None, 20.0), (signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-            if sig is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, sig)
-            try:
-                await asyncio.wait_for(self.proc.wait(), wait)
-                return
-            except asyncio.TimeoutError:
-                continue
+        if self.proc is not None:
+            await end_process(self.proc, ((None, 20.0), (signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)), group=True)
 
 
 if __name__ == "__main__":
