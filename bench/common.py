@@ -183,11 +183,13 @@ class Phases:
         return ", ".join(f"{k} {v - before.get(k, 0):.1f} s" for k, v in self.seconds.items() if v > before.get(k, 0))
 
 
+BENCH_TMP = Path(os.environ.get("HPC_GARAGE_BENCH_TMP") or Path.home() / ".cache" / "hpc-garage-bench")
+
+
 def scratch(prefix: str) -> Path:
     """A directory every fake node can see (they share this host)."""
-    base = Path(os.environ.get("HPC_GARAGE_BENCH_TMP") or Path.home() / ".cache" / "hpc-garage-bench")
-    base.mkdir(parents=True, exist_ok=True, mode=0o700)
-    return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
+    BENCH_TMP.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=BENCH_TMP))
 
 
 # -------------------------------------------------------------------------------------------- SLURM
@@ -219,7 +221,7 @@ class Jobs:
 
     def adopt(self, text: str) -> str:
         """Remember a job another command submitted (its id in `text`)."""
-        match = re.search(r"submitted job (\d+)", text) or re.search(r"\b(\d+)\b", text)
+        match = re.search(r"submitted job (\d+)", text)
         if not match:
             raise RuntimeError(f"no job id in: {text!r}")
         self.ids.append(match.group(1))
@@ -245,12 +247,15 @@ class Jobs:
         self.wait_gone(job, timeout=60)
 
     def cancel(self, jobs: Sequence[str] | None = None) -> None:
+        """scancel these (default: every job this bench submitted); one already gone is only a message."""
         targets = list(jobs if jobs is not None else self.ids)
         if targets:
             subprocess.run(["scancel", *targets], capture_output=True, timeout=30)
 
-    def queue_is_empty(self) -> bool:
-        return not (_output(["squeue", "-h", "-o", "%i"]) or "").split()
+    @staticmethod
+    def queued(job: str) -> bool:
+        """Whether the job is still in the queue (pending, running or completing)."""
+        return bool((_output(["squeue", "-h", "-j", job, "-o", "%T"]) or "").strip())
 
 
 def wait_for_free_nodes(timeout: float = 120) -> None:

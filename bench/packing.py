@@ -28,6 +28,7 @@ from bench.common import BIN, PYTHON, ROOT, SCRIPTS, Figure, Jobs, read_json_whe
 
 OURS = "hpc-garage layout (lab-gpu, one pinned worker per GPU)"
 GUIDE = "garage guide: dask worker --nworkers 4 --resources GPU=1 per node"
+AGGREGATE = 0.1  # s: the aggregation task after the trials
 JOBQUEUE = "dask-jobqueue default: one worker per job, --resources GPU=4"
 
 
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layouts", default="ours,guide,jobqueue")
     args = parser.parse_args(argv)
     sweep = ["--runs", str(args.runs), "--gpu-trials", str(args.gpu_trials), "--cpu-trials", str(args.cpu_trials),
-             "--seconds", str(args.seconds), "--aggregate-seconds", "0.1"]
+             "--seconds", str(args.seconds), "--aggregate-seconds", str(AGGREGATE)]
     jobs = Jobs()
     layouts: dict[str, dict[str, Any]] = {}
     try:
@@ -60,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
                 say(f"packing: {name} failed: {layouts[name]['error']}")
             shutil.rmtree(directory, ignore_errors=True)
     finally:
-        jobs.cancel([j for j in jobs.ids if _queued(j)])
-    result = summarize(layouts, args.gpu_trials, args.cpu_trials, args.seconds, 0.1)
+        jobs.cancel()
+    result = summarize(layouts, args.gpu_trials, args.cpu_trials, args.seconds, AGGREGATE)
     if args.plot:
         result["plot"] = plot(layouts, Path(args.plot))
     if args.trials:
@@ -78,7 +79,7 @@ def _ours(directory: Path, sweep: list[str], jobs: Jobs) -> dict[str, Any]:
     if done.returncode != 0:
         raise RuntimeError(f"hpc-garage submit: {done.stderr.strip()[-300:]}")
     job = jobs.adopt(done.stdout + done.stderr)
-    result = read_json_when_ready(out, 600, alive=lambda: _queued(job))
+    result = read_json_when_ready(out, 600, alive=lambda: Jobs.queued(job))
     jobs.end(job)
     return result
 
@@ -106,7 +107,7 @@ kill %1 %2 2>/dev/null
 wait
 """)
     job = jobs.sbatch(script, env={**os.environ, **ensure_api()})
-    result = read_json_when_ready(directory / "out.json", 600, alive=lambda: _queued(job))
+    result = read_json_when_ready(directory / "out.json", 600, alive=lambda: Jobs.queued(job))
     jobs.end(job)
     return result
 
@@ -120,8 +121,6 @@ def _jobqueue(directory: Path, sweep: list[str], jobs: Jobs) -> dict[str, Any]:
     return dict(json.loads(out.read_text()))
 
 
-def _queued(job: str) -> bool:
-    return bool(subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True).stdout.strip())
 
 
 # ------------------------------------------------------------------------------------------- analysis

@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.common import (BIN, PYTHON, ROOT, SCRIPTS, Figure, Jobs, Phases, compare, ratio_to_best,
+from bench.common import (BENCH_TMP, BIN, PYTHON, ROOT, SCRIPTS, Figure, Jobs, Phases, compare, ratio_to_best,
                           read_json_when_ready, say, scratch, wait_for_free_nodes)
 
 OURS = "hpc-garage mpi launcher (hpc-garage submit)"
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.skip_login:
             figures += login_startup(args.runs)
     finally:
-        jobs.cancel([j for j in jobs.ids if _queued(j)])
+        jobs.cancel()
     Path(args.out).write_text(json.dumps({"figures": [f.to_dict() for f in figures], "phases": PHASES.to_dict()},
                                          indent=2))
     return 0
@@ -204,7 +204,7 @@ def _slurm_cluster(directory: Path, nodes: int, env: dict[str, str], jobs: Jobs)
 def _finish(directory: Path, job: str, jobs: Jobs, submitted: float) -> dict[str, float]:
     """Wait for the sample the job's first task writes, then end the job at once (nobody measures its end)."""
     with PHASES("submit -> sample"):
-        result = read_json_when_ready(directory / "out.json", 180, alive=lambda: _queued(job))
+        result = read_json_when_ready(directory / "out.json", 180, alive=lambda: Jobs.queued(job))
     with PHASES("ending the job"):
         jobs.end(job)
     return _sample(directory, result, submitted)
@@ -227,9 +227,6 @@ def _named_jobs(name: str) -> list[str]:
     return out.split()
 
 
-def _queued(job: str) -> bool:
-    out = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True).stdout.strip()
-    return bool(out)
 
 
 # --------------------------------------------------------------------------------------- login node
@@ -241,7 +238,7 @@ def login_startup(runs: int) -> list[Figure]:
     Each command is ended as soon as its sample is on disk (hpc-garage: the sweep's results file; plain: the
     file each task writes as it starts): the flows' and clusters' ends are not measured, so not waited for.
     """
-    plain_home = Path(os.environ.get("HPC_GARAGE_BENCH_TMP") or Path.home() / ".cache" / "hpc-garage-bench") / "plain-prefect-home"
+    plain_home = BENCH_TMP / "plain-prefect-home"
     plain_home.mkdir(parents=True, exist_ok=True)
     base = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "HPC_GARAGE_"))}
     quiet = {"DO_NOT_TRACK": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}

@@ -128,7 +128,7 @@ def show(site_name: str, as_json: bool, as_script: bool, worker_script: bool, co
     if site.launcher == "jobqueue":
         from hpc_garage.pools import show_pools
 
-        click.echo(show_pools(site_name, as_json=as_json, **request))
+        click.echo(show_pools(site, as_json=as_json, **request))
         return
     from hpc_garage.layout import describe, plan
     from hpc_garage.planning import allocation_for

@@ -44,6 +44,8 @@ from typing import TYPE_CHECKING, Any
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
+from hpc_garage.pools import fits
+
 if TYPE_CHECKING:
     from distributed import Scheduler
     from distributed.scheduler import TaskState, WorkerState
@@ -53,7 +55,6 @@ __all__ = ["DISABLE_ENV", "NAME", "FreeResourcePlacement", "enabled", "fits", "i
 NAME = "hpc-garage-placement"
 SWEEP_SECONDS = 1.0  # the safety-net sweep over held tasks
 DISABLE_ENV = "HPC_GARAGE_PLACEMENT"  # 0: Dask's own placement
-EPSILON = 1e-9  # resource amounts are floats: 0.1 + 0.2 must fit in 0.3
 
 Signature = tuple[Any, ...]  # tasks with equal signatures have the same eligible workers
 
@@ -73,9 +74,6 @@ def enabled(env: Mapping[str, str] | None = None) -> bool:
     return value.strip().lower() not in ("0", "false", "no", "off", "dask")
 
 
-def fits(wanted: Mapping[str, float], offered: Mapping[str, float], used: Mapping[str, float]) -> bool:
-    """Whether `wanted` fits in what is offered and not used."""
-    return all(used.get(r, 0.0) + amount <= offered.get(r, 0.0) + EPSILON for r, amount in wanted.items())
 
 
 def in_use(ws: WorkerState) -> dict[str, float]:

@@ -1,4 +1,4 @@
-"""Glue between the CLI and the pure core: pick the allocation source, then lay it out."""
+"""Glue between the CLI and the pure core: pick the allocation source (the job's environment, or a request)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from hpc_garage.allocation import Allocation, in_batch_job
-from hpc_garage.layout import Plan, plan
 
 if TYPE_CHECKING:
     from hpc_garage.site import Site
@@ -30,10 +29,3 @@ def allocation_for(site: Site | SiteView, env: Mapping[str, str] | None = None, 
         memory=asked.get("mem"),
         walltime=asked.get("walltime"),
     )
-
-
-def plan_for(site_name: str, env: Mapping[str, str] | None = None, **request: int | None) -> Plan:
-    from hpc_garage.site import load_site
-
-    site = load_site(site_name)
-    return plan(site, allocation_for(site, env, **request))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any
 
 from hpc_garage.allocation import Allocation
@@ -61,9 +62,10 @@ class JobShape:
     def workers_per_job(self) -> int:
         return len(self.plan.workers)
 
-    @property
+    @cached_property
     def worker_resources(self) -> list[dict[str, float]]:
-        """What each worker of a job advertises, marker included."""
+        """What each worker of a job advertises, marker included (read per queued task by the scaling step,
+        every second: computed once)."""
         return [advertised(w.resources, untagged=self.untagged, marker=self.marker) for w in self.plan.workers]
 
     @property
@@ -134,8 +136,13 @@ def lifetime(site: Site, remaining: float | None = None) -> tuple[int, int]:
 # ----------------------------------------------------------------------------------------- where tasks go
 
 
-def fits(restrictions: Mapping[str, float], resources: Mapping[str, float]) -> bool:
-    return all(resources.get(k, 0) >= v for k, v in restrictions.items())
+EPSILON = 1e-9  # resource amounts are floats: 0.1 + 0.2 must fit in 0.3
+
+
+def fits(wanted: Mapping[str, float], offered: Mapping[str, float], used: Mapping[str, float] | None = None) -> bool:
+    """Whether `wanted` fits in what is offered and not used (the pool choice here; placement.py's hand-off)."""
+    used = used or {}
+    return all(used.get(r, 0.0) + amount <= offered.get(r, 0.0) + EPSILON for r, amount in wanted.items())
 
 
 def choose_pool(restrictions: Mapping[str, float] | None, shapes: Sequence[JobShape]) -> str | None:
@@ -248,13 +255,10 @@ def describe_site(site: Site) -> list[str]:
     return lines
 
 
-def show_pools(site_name: str, *, as_json: bool = False, **request: Any) -> str:
+def show_pools(site: Site, *, as_json: bool = False, **request: Any) -> str:
     """`hpc-garage show` for a jobqueue site. Request flags do not apply: the site's jobqueue: shapes the jobs."""
     import json
 
-    from hpc_garage.site import load_site
-
-    site = load_site(site_name)
     refuse_request(site, request)
     return json.dumps(to_dict(site), indent=2) if as_json else "\n".join(describe_site(site))
 

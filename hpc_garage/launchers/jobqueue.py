@@ -341,6 +341,7 @@ class JobqueueLauncher(Launcher):
 
     def __init__(self, site: Site, run_id: str) -> None:
         self.site = site
+        self.initial = set(initial_workers(site))  # failure() asks every 0.1 s while workers start
         self.run_id = run_id
         self.shapes = job_shapes(site)
         self.scheduler_host = {"interface": site.interface} if site.interface else {"host": None}
@@ -398,9 +399,8 @@ class JobqueueLauncher(Launcher):
     def failure(self) -> str | None:
         if self.stopped_pools:
             return "; ".join(self.stopped_pools.values())
-        initial = set(initial_workers(self.site))
         for rec in self.jobs.values():
-            if rec.state == "failed" and any(n in initial for n in worker_names(rec.name, self._per_job(rec.pool))):
+            if rec.state == "failed" and any(n in self.initial for n in worker_names(rec.name, self._per_job(rec.pool))):
                 return self._failure_text(rec)
         return None
 
