@@ -44,8 +44,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def measure(n: int, runs: int) -> dict[str, Any]:
-    from hpc_garage.prefect import use_api
-    from hpc_garage.prefect_server import ensure_api, server_status
+    from hpc_garage.prefect.task_runner import use_api
+    from hpc_garage.prefect.server import ensure_api, server_status
 
     with PHASES("Prefect server and cluster up"):
         api = ensure_api()

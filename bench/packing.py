@@ -85,7 +85,7 @@ def _ours(directory: Path, sweep: list[str], jobs: Jobs) -> dict[str, Any]:
 
 
 def _guide(directory: Path, sweep: list[str], jobs: Jobs) -> dict[str, Any]:
-    from hpc_garage.prefect_server import ensure_api
+    from hpc_garage.prefect.server import ensure_api
 
     scheduler_file = directory / "scheduler.json"
     script = directory / "job.sh"

@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def slurm_startup(nodes: int, runs: int, jobs: Jobs) -> list[Figure]:
-    from hpc_garage.prefect_server import ensure_api
+    from hpc_garage.prefect.server import ensure_api
 
     api = ensure_api()  # one running API for everyone, as a site would have
     sites = scratch("sites-")

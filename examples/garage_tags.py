@@ -14,7 +14,7 @@ import os
 from prefect import flow, task
 
 import hpc_garage
-from hpc_garage.site import parse_site_dict
+from hpc_garage.core.site import parse_site_dict
 
 GUIDE_MACHINE = parse_site_dict({
     "name": "garage-guide", "scheduler": "local",

@@ -25,7 +25,7 @@ STARTED = time.time()  # before the imports below: "time to first task" includes
 from prefect import flow, task, unmapped  # noqa: E402
 
 import hpc_garage  # noqa: E402
-from hpc_garage.prefect import worker_resources  # noqa: E402
+from hpc_garage.prefect.task_runner import worker_resources  # noqa: E402
 
 
 def score(seed: int, lr: float) -> float:

@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from hpc_garage import __version__
-from hpc_garage.errors import UserError
+from hpc_garage.core.errors import UserError
 
 
 class _Failure(click.ClickException):
@@ -32,7 +32,7 @@ class _Group(click.Group):
 
 
 def _memory(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
-    from hpc_garage.units import parse_memory
+    from hpc_garage.core.units import parse_memory
 
     try:
         return None if value is None else parse_memory(value)
@@ -41,7 +41,7 @@ def _memory(ctx: click.Context, param: click.Parameter, value: str | None) -> in
 
 
 def _walltime(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
-    from hpc_garage.units import parse_walltime
+    from hpc_garage.core.units import parse_walltime
 
     try:
         return None if value is None else parse_walltime(value)
@@ -59,7 +59,7 @@ def cli() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON list.")
 def sites(as_json: bool) -> None:
     """List the sites hpc-garage can see, and where each was found."""
-    from hpc_garage.site import find_sites, load_site
+    from hpc_garage.sites import find_sites, load_site
 
     rows = []
     for name, path in find_sites().items():
@@ -83,7 +83,7 @@ def sites(as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
-    from hpc_garage.units import format_bytes
+    from hpc_garage.core.units import format_bytes
 
     for r in rows:
         if "error" in r:
@@ -115,23 +115,21 @@ def show(site_name: str, as_json: bool, as_script: bool, worker_script: bool, co
     Jobqueue sites show one worker job per pool; --worker-script prints the scripts of those jobs.
     """
     if worker_script:
-        from hpc_garage.launchers.jobqueue import worker_scripts_for
-
-        click.echo(worker_scripts_for(site_name), nl=False)
+        _show_worker_scripts(site_name)
         return
     if as_script or command:
         _show_script(site_name, as_script, command, request)
         return
-    from hpc_garage import siteview
+    from hpc_garage.sites import view as siteview
 
     site = siteview.load(site_name)  # without pydantic when it can: see siteview
     if site.launcher == "jobqueue":
-        from hpc_garage.pools import show_pools
+        from hpc_garage.core.pools import show_pools
 
         click.echo(show_pools(site, as_json=as_json, **request))
         return
-    from hpc_garage.layout import describe, plan
-    from hpc_garage.planning import allocation_for
+    from hpc_garage.core.layout import describe, plan
+    from hpc_garage.schedulers import allocation_for
 
     plan_ = plan(site, allocation_for(site, **request))
     if as_json:  # indented while a person might read it; compact and ~50x faster for thousands of workers
@@ -162,10 +160,12 @@ def run(site_name: str | None, insecure: bool, timeout: float, command: tuple[st
     """
     import os
 
-    from hpc_garage.runner import run as run_cluster, site_for_run
+    from hpc_garage.cluster.run import run as run_cluster, site_for_run
+
+    from hpc_garage.prefect.server import ensure_api
 
     site = site_for_run(site_name, os.environ)
-    sys.exit(run_cluster(site, list(command), insecure=insecure, timeout=timeout))
+    sys.exit(run_cluster(site, list(command), insecure=insecure, timeout=timeout, api=lambda host: ensure_api(host=host)))
 
 
 # ------------------------------------------------------------------------------- submitting and following
@@ -174,7 +174,7 @@ def run(site_name: str | None, insecure: bool, timeout: float, command: tuple[st
 def _show_script(site_name: str, as_script: bool, command: tuple[str, ...], request: dict[str, Any]) -> None:
     if not as_script:
         raise UserError(f"show takes SCRIPT [ARGS] only with --script (got {' '.join(command)!r})")
-    from hpc_garage.submission import prepare
+    from hpc_garage.schedulers.submission import prepare
 
     script, *args = command or ("SCRIPT.py",)
     prepared = prepare(
@@ -185,6 +185,18 @@ def _show_script(site_name: str, as_script: bool, command: tuple[str, ...], requ
     click.echo(prepared.script, nl=False)
 
 
+def _show_worker_scripts(site_name: str) -> None:
+    """`show --worker-script`: each pool's worker job script, as it will be submitted."""
+    from hpc_garage.launchers.jobqueue.launcher import worker_scripts
+    from hpc_garage.sites import load_site
+
+    site = load_site(site_name)
+    if site.launcher != "jobqueue":
+        raise UserError(f"site {site.name} uses the {site.launcher} launcher, which submits no worker jobs; "
+                        "--script shows its job script")
+    click.echo(worker_scripts(site), nl=False)
+
+
 def _submit_prepared(prepared: Any, dry_run: bool, wait: bool) -> None:
     """Print the script (--dry-run), or submit and say where the job and its log are; --wait follows it."""
     for line in prepared.plan.leftovers:
@@ -193,15 +205,20 @@ def _submit_prepared(prepared: Any, dry_run: bool, wait: bool) -> None:
     if dry_run:
         click.echo(prepared.script, nl=False)
         if jobqueue:  # and the worker jobs the driver will submit
-            from hpc_garage.launchers.jobqueue import worker_scripts
+            from hpc_garage.launchers.jobqueue.launcher import worker_scripts
 
             click.echo(worker_scripts(prepared.site), nl=False)
         return
-    if jobqueue and prepared.site.jobqueue.driver == "login":
-        from hpc_garage.launchers.jobqueue import drive_here
+    if jobqueue and prepared.site.jobqueue.driver == "login":  # the driver (scheduler, script) runs here
+        from hpc_garage.cluster.run import run as run_cluster
+        from hpc_garage.prefect.server import ensure_api
 
-        sys.exit(drive_here(prepared))
-    from hpc_garage import submission
+        spec = prepared.spec
+        click.echo(f"hpc-garage: site {prepared.site.name} runs its driver on the login node: "
+                   f"hpc-garage run -- {spec.python} {spec.script}", err=True)
+        sys.exit(run_cluster(prepared.site, [spec.python, spec.script, *spec.args],
+                             api=lambda host: ensure_api(host=host)))
+    from hpc_garage.schedulers import submission
 
     done = submission.submit(prepared)
     click.echo(f"submitted job {done.job_id} (site {prepared.site.name})")
@@ -238,7 +255,7 @@ def submit(site_name: str, script: str, args: tuple[str, ...], dry_run: bool, wa
 
     The job runs `python -m hpc_garage run --site SITE -- python SCRIPT ARGS` from this directory.
     """
-    from hpc_garage.submission import prepare
+    from hpc_garage.schedulers.submission import prepare
 
     _submit_prepared(prepare(site_name, script, args, **request), dry_run, wait)
 
@@ -259,8 +276,8 @@ def sbatch(argv: tuple[str, ...]) -> None:
     lines; options that contradict the site's worker layout (-n, --ntasks-per-node, --mem-per-cpu,
     --array, ...) are refused with the reason.
     """
-    from hpc_garage.sbatch_args import parse, site_for
-    from hpc_garage.submission import prepare
+    from hpc_garage.schedulers.sbatch_options import parse, site_for
+    from hpc_garage.schedulers.submission import prepare
 
     call = parse(argv)
     site_name = site_for(call)
@@ -274,7 +291,7 @@ def sbatch(argv: tuple[str, ...]) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (one object for JOBID, else a list).")
 def status(job_id: str | None, site_name: str | None, as_json: bool) -> None:
     """Show a job, or (without JOBID) every job hpc-garage submitted that has a run directory, newest first."""
-    from hpc_garage import submission
+    from hpc_garage.schedulers import submission
 
     if job_id is not None:
         view = submission.lookup(job_id, site_name)
@@ -298,7 +315,7 @@ def status(job_id: str | None, site_name: str | None, as_json: bool) -> None:
         return
     roots = None
     if site_name:
-        from hpc_garage.site import load_site
+        from hpc_garage.sites import load_site
 
         roots = [submission.run_root(load_site(site_name))]
     views = submission.status_all(roots)
@@ -322,7 +339,7 @@ def status(job_id: str | None, site_name: str | None, as_json: bool) -> None:
 @click.option("--site", "site_name", help="Site of a job hpc-garage has no run directory for.")
 def cancel(job_id: str, site_name: str | None) -> None:
     """Cancel a queued or running job (scancel / qdel), and say what was done."""
-    from hpc_garage import submission
+    from hpc_garage.schedulers import submission
 
     click.echo(submission.cancel(submission.find(job_id, site_name)))
 
@@ -333,7 +350,7 @@ def cancel(job_id: str, site_name: str | None) -> None:
 @click.option("--site", "site_name", help="Where to look for the job's run directory.")
 def logs(job_id: str, follow: bool, site_name: str | None) -> None:
     """Print a job's log (its stdout and stderr, or both files when they were split with -e)."""
-    from hpc_garage import submission
+    from hpc_garage.schedulers import submission
 
     try:
         submission.logs(submission.find(job_id, site_name), click.get_binary_stream("stdout"), follow=follow)
@@ -350,7 +367,7 @@ def server() -> None:
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address the server listens on.")
 def server_status(host: str) -> None:
     """Say whether the shared Prefect server runs, and where."""
-    from hpc_garage.prefect_server import server_status as status
+    from hpc_garage.prefect.server import server_status as status
 
     click.echo(json.dumps(status(host), indent=2))
 
@@ -359,7 +376,7 @@ def server_status(host: str) -> None:
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address the server listens on.")
 def server_stop(host: str) -> None:
     """Stop the shared Prefect server (runs start it again when they need it)."""
-    from hpc_garage.prefect_server import stop_server
+    from hpc_garage.prefect.server import stop_server
 
     click.echo("stopped" if stop_server(host) else "no hpc-garage Prefect server was running there")
 

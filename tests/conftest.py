@@ -16,7 +16,7 @@ import pytest
 if TYPE_CHECKING:  # Prefect and Dask are imported only by the tests that use these fixtures
     from distributed import SpecCluster
 
-    from hpc_garage.prefect import HpcTaskRunner
+    from hpc_garage.prefect.task_runner import HpcTaskRunner
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).resolve().parent / "data"
@@ -67,9 +67,9 @@ def read_env_dump(path: Path) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """One hpc-garage Prefect server per test module, in a private HOME (results persist under it)."""
-    from hpc_garage import prefect_fast
-    from hpc_garage.prefect import use_api
-    from hpc_garage.prefect_server import ensure_api, stop_server
+    from hpc_garage.prefect import fast as prefect_fast
+    from hpc_garage.prefect.task_runner import use_api
+    from hpc_garage.prefect.server import ensure_api, stop_server
 
     home = tmp_path_factory.mktemp("home")
     saved = dict(os.environ)
@@ -102,7 +102,7 @@ def cluster(api: dict[str, str]) -> Iterator[SpecCluster]:
 
 @pytest.fixture
 def runner(cluster: SpecCluster) -> HpcTaskRunner:
-    from hpc_garage.prefect import task_runner
+    from hpc_garage.prefect.task_runner import task_runner
 
     return task_runner(address=cluster.scheduler_address)
 

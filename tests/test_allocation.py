@@ -7,11 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from hpc_garage.allocation import Allocation
-from hpc_garage.errors import AllocationError
+from hpc_garage.core.allocation import Allocation
+from hpc_garage.core.errors import AllocationError
+from hpc_garage.schedulers import allocation_from_env
 from hpc_garage.schedulers.pbs import Pbs, parse_qstat_f
 from hpc_garage.schedulers.slurm import expand_counts, expand_hostlist
-from hpc_garage.site import load_site
+from hpc_garage.sites import load_site
 from tests.conftest import DATA, read_env_dump
 
 MIB, GIB = 2**20, 2**30
@@ -56,7 +57,7 @@ def test_cpus_per_node_counts() -> None:
 
 
 def test_slurm_one_node_two_gpus() -> None:
-    a = Allocation.from_env(load_site("lab-gpu"), dump("slurm-1node-2gpu.env"))
+    a = allocation_from_env(load_site("lab-gpu"), dump("slurm-1node-2gpu.env"))
     assert a.job_id == "6" and a.source == "slurm"
     assert [n.host for n in a.nodes] == ["node1"]
     assert a.nodes[0].cores == 4 and a.nodes[0].memory == 4096 * MIB
@@ -65,28 +66,28 @@ def test_slurm_one_node_two_gpus() -> None:
 
 
 def test_slurm_two_nodes() -> None:
-    a = Allocation.from_env(load_site("lab-gpu"), dump("slurm-2node-2gpu.env"))
+    a = allocation_from_env(load_site("lab-gpu"), dump("slurm-2node-2gpu.env"))
     assert [n.host for n in a.nodes] == ["node1", "node2"]
     assert [n.cores for n in a.nodes] == [1, 1]
     assert all(n.memory == 2048 * MIB and n.gpus == ("0", "1") for n in a.nodes)
 
 
 def test_slurm_second_concurrent_job_sees_its_own_gpus() -> None:
-    a = Allocation.from_env(load_site("lab-gpu"), dump("slurm-1node-2gpu-concurrent-second.env"))
-    first = Allocation.from_env(load_site("lab-gpu"), dump("slurm-1node-2gpu-concurrent-first.env"))
+    a = allocation_from_env(load_site("lab-gpu"), dump("slurm-1node-2gpu-concurrent-second.env"))
+    first = allocation_from_env(load_site("lab-gpu"), dump("slurm-1node-2gpu-concurrent-first.env"))
     assert set(a.nodes[0].gpus).isdisjoint(first.nodes[0].gpus)
 
 
 def test_slurm_srun_task_uses_cgroup_relative_ids_not_job_gpus() -> None:
     env = dump("slurm-2node-2gpu-uneven-srun-node2.env")
-    a = Allocation.from_env(load_site("lab-gpu"), env)
+    a = allocation_from_env(load_site("lab-gpu"), env)
     assert a.nodes[0].gpus == tuple(env["CUDA_VISIBLE_DEVICES"].split(","))
 
 
 def test_slurm_mem_per_cpu_and_per_gpu() -> None:
-    cpu = Allocation.from_env(load_site("lab-cpu"), dump("slurm-cpu-mempercpu.env"))
+    cpu = allocation_from_env(load_site("lab-cpu"), dump("slurm-cpu-mempercpu.env"))
     assert cpu.nodes[0].cores == 2 and cpu.nodes[0].memory == 2 * 1000 * MIB and cpu.nodes[0].gpus == ()
-    gpu = Allocation.from_env(load_site("lab-gpu"), dump("slurm-mempergpu.env"))
+    gpu = allocation_from_env(load_site("lab-gpu"), dump("slurm-mempergpu.env"))
     assert gpu.nodes[0].memory == 3000 * MIB * len(gpu.nodes[0].gpus) == 3000 * MIB
 
 
@@ -110,7 +111,7 @@ def big_machine_env(**extra: str) -> dict[str, str]:
 
 
 def test_slurm_heterogeneous_cpus_and_global_gpu_ids() -> None:
-    a = Allocation.from_env(load_site("slurm-gpu"), big_machine_env())
+    a = allocation_from_env(load_site("slurm-gpu"), big_machine_env())
     assert [n.cores for n in a.nodes] == [72, 72, 72, 72, 36]
     assert a.nodes[-1].host == "nid001300"
     assert a.nodes[0].gpus == ("0", "1", "2", "3")  # as the job sees them, not SLURM_JOB_GPUS
@@ -125,7 +126,7 @@ def test_slurm_heterogeneous_cpus_and_global_gpu_ids() -> None:
     ],
 )
 def test_gpu_uuids_are_kept_verbatim(devices: str) -> None:
-    a = Allocation.from_env(load_site("slurm-gpu"), big_machine_env(CUDA_VISIBLE_DEVICES=devices))
+    a = allocation_from_env(load_site("slurm-gpu"), big_machine_env(CUDA_VISIBLE_DEVICES=devices))
     assert a.nodes[0].gpus == tuple(devices.split(","))
 
 
@@ -142,14 +143,14 @@ def test_gpu_uuids_are_kept_verbatim(devices: str) -> None:
 )
 def test_contradictory_or_missing_slurm_variables_are_named(change: dict[str, str], variable: str) -> None:
     with pytest.raises(AllocationError, match=variable):
-        Allocation.from_env(load_site("slurm-gpu"), big_machine_env(**change))
+        allocation_from_env(load_site("slurm-gpu"), big_machine_env(**change))
 
 
 def test_missing_cores_is_an_error_not_a_guess() -> None:
     env = big_machine_env()
     del env["SLURM_JOB_CPUS_PER_NODE"]
     with pytest.raises(AllocationError, match="SLURM_CPUS_ON_NODE"):
-        Allocation.from_env(load_site("slurm-gpu"), env)
+        allocation_from_env(load_site("slurm-gpu"), env)
 
 
 def test_missing_memory_falls_back_to_the_enforced_limit_then_the_site(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -158,17 +159,17 @@ def test_missing_memory_falls_back_to_the_enforced_limit_then_the_site(monkeypat
     env = big_machine_env()
     del env["SLURM_MEM_PER_NODE"]
     monkeypatch.setattr(base, "process_memory_limit", lambda: None)
-    a = Allocation.from_env(load_site("slurm-gpu"), env)
+    a = allocation_from_env(load_site("slurm-gpu"), env)
     assert a.nodes[0].memory == load_site("slurm-gpu").node.memory
     assert any("SLURM_MEM_PER_NODE" in n and "node.memory" in n for n in a.notes)
     monkeypatch.setattr(base, "process_memory_limit", lambda: 100 * GIB)
-    b = Allocation.from_env(load_site("slurm-gpu"), env)
+    b = allocation_from_env(load_site("slurm-gpu"), env)
     assert b.nodes[0].memory == 100 * GIB and any("enforced" in n for n in b.notes)
 
 
 def test_outside_a_job_is_an_error() -> None:
     with pytest.raises(AllocationError, match="SLURM_JOB_ID"):
-        Allocation.from_env(load_site("slurm-gpu"), {"HOME": "/root"})
+        allocation_from_env(load_site("slurm-gpu"), {"HOME": "/root"})
 
 
 # ----------------------------------------------------------------------------------------------- PBS
@@ -217,7 +218,7 @@ def test_pbs_torque_gpufile_and_ppn(tmp_path: Path) -> None:
 def test_pbs_from_the_local_torque_wrapper(tmp_path: Path) -> None:
     env = {k: v for k, v in dump("pbs-qsub.env").items() if not k.startswith("SLURM")}
     env |= pbs_env(tmp_path, ["node1", "node1"], NCPUS="2")
-    a = Allocation.from_env(load_site("lab-pbs"), env | {"PBS_JOBID": env["PBS_JOBID"]})
+    a = allocation_from_env(load_site("lab-pbs"), env | {"PBS_JOBID": env["PBS_JOBID"]})
     assert a.source == "pbs" and a.nodes[0].cores == 2 and a.nodes[0].host == "node1"
 
 
@@ -243,7 +244,7 @@ def test_pbs_missing_or_contradictory(tmp_path: Path, change: dict[str, str], va
 
 def test_slurm_wins_inside_slurm_for_a_slurm_site_even_with_torque_variables() -> None:
     env = dump("pbs-qsub.env")  # Slurm's spank_pbs plugin sets PBS_JOBID inside Slurm jobs too
-    assert Allocation.from_env(load_site("lab-gpu"), env).source == "slurm"
+    assert allocation_from_env(load_site("lab-gpu"), env).source == "slurm"
 
 
 # ------------------------------------------------------------------------------------------- requests

@@ -12,11 +12,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hpc_garage.allocation import Allocation
-from hpc_garage.errors import SiteError, UserError
-from hpc_garage.launchers.jobqueue import initial_workers, job_kwargs, run_plan, submit_env, worker_scripts
-from hpc_garage.launchers.jobqueue_worker import job_workers
-from hpc_garage.pools import (
+from hpc_garage.core.allocation import Allocation
+from hpc_garage.core.errors import SiteError, UserError
+from hpc_garage.launchers.jobqueue.launcher import initial_workers, job_kwargs, run_plan, submit_env, worker_scripts
+from hpc_garage.launchers.jobqueue.worker import job_workers
+from hpc_garage.core.pools import (
     UNTAGGED,
     PoolState,
     choose_pool,
@@ -30,7 +30,8 @@ from hpc_garage.pools import (
     worker_names,
 )
 from hpc_garage.schedulers.slurm import Slurm
-from hpc_garage.site import load_site, parse_site_dict
+from hpc_garage.core.site import parse_site_dict
+from hpc_garage.sites import load_site
 
 PY = sys.executable
 GIB = 2**30
@@ -198,7 +199,7 @@ def test_slurm_worker_script_asks_for_the_gpus_cores_and_exact_memory_of_one_job
                  "#SBATCH --output=/runs/RUN_ID/worker-logs/%x-%j.out"):
         assert line in text.splitlines(), line
     command = text.splitlines()[-1]
-    assert f"{PY} -m hpc_garage.launchers.jobqueue_worker tls://" in command
+    assert f"{PY} -m hpc_garage.launchers.jobqueue.worker tls://" in command
     assert "--name lab-jobqueue-0 --nthreads 2 --memory-limit 3.50GiB" in command
     assert "--hpc-garage-plan /runs/RUN_ID/jobqueue-lab-jobqueue.json" in command and "--tls-key" in command
     pools = worker_scripts(load_site("lab-pools"), run_root=Path("/runs"))
@@ -323,7 +324,7 @@ def test_the_scheduler_keeps_plain_tasks_off_workers_of_pools_that_refuse_them()
     import dask
     from distributed import Client, Scheduler, Worker, get_worker
 
-    from hpc_garage.launchers.jobqueue import _untagged_plugin
+    from hpc_garage.launchers.jobqueue.launcher import _untagged_plugin
 
     def where(_: int) -> str:
         return str(get_worker().name)
@@ -345,7 +346,7 @@ def test_the_scheduler_keeps_plain_tasks_off_workers_of_pools_that_refuse_them()
 
 
 def test_command_learns_what_workers_the_pools_can_start() -> None:
-    from hpc_garage.pools import pool_offers
+    from hpc_garage.core.pools import pool_offers
 
     offers = pool_offers(job_shapes(load_site("lab-pools")))
     assert offers == [{"GPU": 1, "CPU": 2, "MEMORY": 3758096384, "PROCESS": 1},

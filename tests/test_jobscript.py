@@ -14,9 +14,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hpc_garage.errors import UserError
-from hpc_garage.jobscript import JobSpec, job_spec, render
-from hpc_garage.site import Site, load_site
+from hpc_garage.core.errors import UserError
+from hpc_garage.schedulers.jobscript import JobSpec, job_spec, render
+from hpc_garage.core.site import Site
+from hpc_garage.sites import load_site
 from tests.conftest import ROOT
 
 SITES = ROOT / "site-configs"

@@ -11,10 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hpc_garage.allocation import Allocation, NodeAllocation
-from hpc_garage.errors import LayoutError
-from hpc_garage.layout import layout, pin_gpus, plan
-from hpc_garage.site import Site, parse_site_dict
+from hpc_garage.core.allocation import Allocation, NodeAllocation
+from hpc_garage.core.errors import LayoutError
+from hpc_garage.core.layout import layout, pin_gpus, plan
+from hpc_garage.core.site import Site, parse_site_dict
 
 GIB = 2**30
 

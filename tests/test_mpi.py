@@ -7,12 +7,12 @@ import socket
 
 import pytest
 
-from hpc_garage.allocation import Allocation
-from hpc_garage.errors import UserError
+from hpc_garage.core.allocation import Allocation
+from hpc_garage.core.errors import UserError
 from hpc_garage.launchers.common import forkserver_env, listening_host, scheduler_preload, worker_preload
 from hpc_garage.launchers.mpi import launcher_rank, node_index, node_workers, rank_command
-from hpc_garage.layout import LayoutError, plan
-from hpc_garage.site import load_site
+from hpc_garage.core.layout import LayoutError, plan
+from hpc_garage.sites import load_site
 
 ARGV = ["python", "-m", "hpc_garage.launchers.mpi", "ranks.json"]
 
@@ -102,7 +102,7 @@ def test_forked_workers_get_what_a_spawning_nanny_would_set_before_python_starts
 
 def test_worker_preload_default_and_override() -> None:
     default = worker_preload({})
-    assert default == ["distributed", "hpc_garage.prefect_worker"]  # prefect is installed here
+    assert default == ["distributed", "hpc_garage.prefect.worker"]  # prefect is installed here
     for module in default:  # each importable: the forkserver skips a failing one silently
         __import__(module)
     assert worker_preload({"HPC_GARAGE_WORKER_PRELOAD": "distributed, numpy"}) == ["distributed", "numpy"]
@@ -110,7 +110,7 @@ def test_worker_preload_default_and_override() -> None:
 
 
 def test_the_scheduler_preloads_prefect_only_when_the_workers_do() -> None:
-    assert scheduler_preload({}) == ["prefect.flows", "hpc_garage.prefect"]
+    assert scheduler_preload({}) == ["prefect.flows", "hpc_garage.prefect.task_runner"]
     assert scheduler_preload({"HPC_GARAGE_WORKER_PRELOAD": "distributed"}) == []
 
 

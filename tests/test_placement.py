@@ -1,4 +1,4 @@
-"""Resource-aware placement (hpc_garage.placement) on real in-process Dask clusters: a task asking for GPU=1
+"""Resource-aware placement (hpc_garage.cluster.placement) on real in-process Dask clusters: a task asking for GPU=1
 is assigned only to a worker whose GPU is free, waits on the scheduler otherwise, and everything Dask
 already did (tags, retries, failures, workers coming and going, plain clients) still works."""
 
@@ -21,7 +21,7 @@ import pytest
 from distributed import Client, Event, Scheduler, Worker, get_worker, wait
 from distributed.diagnostics.plugin import SchedulerPlugin
 
-from hpc_garage.placement import NAME, FreeResourcePlacement, fits, in_use, install
+from hpc_garage.cluster.placement import NAME, FreeResourcePlacement, fits, in_use, install
 
 GPU = {"GPU": 1}
 
@@ -258,7 +258,7 @@ def test_installing_twice_keeps_one_plugin() -> None:
 
 
 def test_the_local_cluster_scheduler_has_it() -> None:
-    from hpc_garage.launchers.local import cluster_specs
+    from hpc_garage.cluster.local import cluster_specs
 
     async def main() -> None:
         spec, _ = cluster_specs([])
@@ -277,7 +277,7 @@ def test_hpc_garage_run_schedulers_hold_gpu_tasks(tmp_path: Path) -> None:
     check.write_text(textwrap.dedent("""
         import time
         from distributed import Client
-        from hpc_garage.handoff import handoff_from_env
+        from hpc_garage.cluster.handoff import handoff_from_env
 
         def states(dask_scheduler=None):
             return sorted(ts.state for k, ts in dask_scheduler.tasks.items() if str(k).startswith("nap-"))

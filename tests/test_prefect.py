@@ -23,9 +23,9 @@ from prefect import flow, task, tags
 from prefect_dask import DaskTaskRunner
 
 import hpc_garage
-from hpc_garage.errors import UserError
-from hpc_garage.handoff import Handoff, RunDir
-from hpc_garage.prefect import HpcTaskRunner, task_runner
+from hpc_garage.core.errors import UserError
+from hpc_garage.cluster.handoff import Handoff, RunDir
+from hpc_garage.prefect.task_runner import HpcTaskRunner, task_runner
 from tests.conftest import task_runs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -214,9 +214,9 @@ def script_env(api: dict[str, str]) -> dict[str, str]:
 
 def local_site_cluster_works() -> str | None:
     try:
-        from hpc_garage.launchers.local import LocalSiteCluster  # noqa: F401
+        from hpc_garage.cluster.local import LocalSiteCluster  # noqa: F401
     except ImportError as exc:
-        return f"hpc_garage.launchers.local.LocalSiteCluster is not importable: {exc}"
+        return f"hpc_garage.cluster.local.LocalSiteCluster is not importable: {exc}"
     return None
 
 

@@ -8,7 +8,7 @@ pytest.importorskip("prefect")
 
 from prefect.concurrency import services  # noqa: E402
 
-from hpc_garage import prefect_fast  # noqa: E402
+from hpc_garage.prefect import fast as prefect_fast  # noqa: E402
 
 
 def test_workers_trust_no_tag_limits_for_a_minute_and_prefect_reads_the_stretched_cache(monkeypatch) -> None:  # noqa: ANN001

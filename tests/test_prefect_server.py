@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from hpc_garage import prefect_server
-from hpc_garage.errors import UserError
-from hpc_garage.prefect_server import configured_api_url, ensure_api, server_status, state_dir, stop_server
+from hpc_garage.prefect import server as prefect_server
+from hpc_garage.core.errors import UserError
+from hpc_garage.prefect.server import configured_api_url, ensure_api, server_status, state_dir, stop_server
 
 
 @pytest.fixture
@@ -62,7 +62,7 @@ def test_the_active_profile_counts_as_configured(home: Path) -> None:
 @pytest.mark.slow
 def test_one_server_shared_reused_authenticated_and_stopped(home: Path) -> None:
     # two processes at once: the lock makes them share one server
-    code = "import json; from hpc_garage.prefect_server import ensure_api; print(json.dumps(ensure_api()))"
+    code = "import json; from hpc_garage.prefect.server import ensure_api; print(json.dumps(ensure_api()))"
     callers = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) for _ in range(2)]
     envs = [json.loads(p.communicate(timeout=180)[0]) for p in callers]
     assert envs[0] == envs[1]

@@ -1,4 +1,4 @@
-"""HpcTaskRunner's fast path (hpc_garage.prefect_fast) against real Prefect and real Dask: it is engaged,
+"""HpcTaskRunner's fast path (hpc_garage.prefect.fast) against real Prefect and real Dask: it is engaged,
 and Prefect still sees every task, its state and its result; placement, failures and retries as before.
 No timings here: bench/ measures speed."""
 
@@ -16,8 +16,8 @@ from prefect.context import FlowRunContext
 from prefect_dask import DaskTaskRunner
 
 import hpc_garage
-from hpc_garage import prefect_fast
-from hpc_garage.prefect import HpcTaskRunner
+from hpc_garage.prefect import fast as prefect_fast
+from hpc_garage.prefect.task_runner import HpcTaskRunner
 from tests.conftest import task_runs
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # worker processes cannot import this file

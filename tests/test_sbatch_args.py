@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from hpc_garage.errors import UserError
-from hpc_garage.sbatch_args import parse, site_for
+from hpc_garage.core.errors import UserError
+from hpc_garage.schedulers.sbatch_options import parse, site_for
 
 GiB = 2**30
 
@@ -110,7 +110,7 @@ def test_refused(line: str, fragment: str) -> None:
 def test_request_keywords_match_job_spec() -> None:
     import inspect
 
-    from hpc_garage.jobscript import job_spec
+    from hpc_garage.schedulers.jobscript import job_spec
 
     accepted = set(inspect.signature(job_spec).parameters)
     assert set(parse(["-N", "2", "flow.py"]).request()) <= accepted
@@ -128,7 +128,7 @@ def write_site(directory: Path, name: str, scheduler: str, queue: str) -> None:
 @pytest.fixture
 def only_my_sites(site_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Just the sites in site_dir: no ./site-configs, no packaged ones."""
-    import hpc_garage.site as site_module
+    import hpc_garage.sites as site_module
 
     monkeypatch.setattr(site_module, "search_path", lambda env=None: [site_dir])
     return site_dir

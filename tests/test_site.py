@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from hpc_garage.errors import SiteError
-from hpc_garage.site import find_sites, load_site, packaged_dir
+from hpc_garage.core.errors import SiteError
+from hpc_garage.sites import find_sites, load_site
+from hpc_garage.sites.files import packaged_dir
 
 GOOD = """\
 scheduler: slurm

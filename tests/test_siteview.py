@@ -12,11 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from hpc_garage import siteview
-from hpc_garage.errors import SiteError
-from hpc_garage.site import (JobqueueSettings, Limits, MpiSettings, NodeShape, Site, WorkerLayout, load_site,
-                             packaged_dir)
-from hpc_garage.siteview import SiteView
+from hpc_garage.sites import view as siteview
+from hpc_garage.core.errors import SiteError
+from hpc_garage.core.site import JobqueueSettings, Limits, MpiSettings, NodeShape, Site, WorkerLayout
+from hpc_garage.sites import load_site
+from hpc_garage.sites.files import packaged_dir
+from hpc_garage.sites.view import SiteView
 
 
 def _defaults(model: type[BaseModel]) -> list[tuple[str, Any]]:

@@ -14,9 +14,9 @@ pytestmark = pytest.mark.slurm
 
 READ = f"""{sys.executable} -c '
 import json, sys
-from hpc_garage.allocation import Allocation
-from hpc_garage.site import load_site
-a = Allocation.from_env(load_site(sys.argv[1]))
+from hpc_garage.schedulers import allocation_from_env
+from hpc_garage.sites import load_site
+a = allocation_from_env(load_site(sys.argv[1]))
 json.dump(a.to_dict(), open(sys.argv[2], "w"))
 '"""
 

@@ -194,7 +194,7 @@ def test_refusals_are_one_line_and_leave_nothing(lab: dict[str, Path], args: lis
 
 
 def test_a_failure_after_sbatch_cancels_the_job(lab: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
-    from hpc_garage import submission
+    from hpc_garage.schedulers import submission
 
     monkeypatch.setenv("HPC_GARAGE_SITES_PATH", str(lab["sites"]))
     monkeypatch.chdir(lab["work"])

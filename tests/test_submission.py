@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 import hpc_garage.schedulers as schedulers
-from hpc_garage import submission
-from hpc_garage.errors import UserError
+from hpc_garage.schedulers import submission
+from hpc_garage.core.errors import UserError
 from hpc_garage.schedulers.base import JobStatus
 from hpc_garage.schedulers.pbs import Pbs, _pbs_exit, parse_qstat_jobs
 from hpc_garage.schedulers.slurm import Slurm, _exit_code, parse_scontrol_job

@@ -7,8 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import hpc_garage
-from hpc_garage.errors import UserError
-from hpc_garage.tags import resource_tags, resources_from_tags
+from hpc_garage.core.errors import UserError
+from hpc_garage.prefect.tags import resource_tags, resources_from_tags
 
 amounts = st.one_of(st.integers(0, 10**6), st.floats(0, 1e6, allow_nan=False, allow_infinity=False))
 

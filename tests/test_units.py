@@ -2,7 +2,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hpc_garage.units import format_walltime, parse_memory, parse_walltime
+from hpc_garage.core.units import format_walltime, parse_memory, parse_walltime
 
 
 @pytest.mark.parametrize(
@@ -72,5 +72,5 @@ def test_memory_parsing_does_not_import_dask() -> None:
     import subprocess
     import sys
 
-    code = "import sys; from hpc_garage.units import parse_memory; parse_memory('64GiB'); print('dask' in sys.modules)"
+    code = "import sys; from hpc_garage.core.units import parse_memory; parse_memory('64GiB'); print('dask' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"

@@ -68,8 +68,8 @@ def main() -> None:
     if args.jobqueue:
         from dask_jobqueue import SLURMCluster
 
-        from hpc_garage.prefect import use_api
-        from hpc_garage.prefect_server import ensure_api
+        from hpc_garage.prefect.task_runner import use_api
+        from hpc_garage.prefect.server import ensure_api
 
         use_api(ensure_api())  # before the worker jobs are submitted: they inherit the API
         cluster = SLURMCluster(queue="gpu", cores=8, processes=1, memory="14GB", walltime="00:10:00",

@@ -10,8 +10,8 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from hpc_garage.errors import UserError
-from hpc_garage.layout import WorkerSpec
+from hpc_garage.core.errors import UserError
+from hpc_garage.core.layout import WorkerSpec
 
 
 def worker_options(spec: WorkerSpec, *, env: dict[str, str] | None = None, **extra: Any) -> dict[str, Any]:
@@ -64,9 +64,9 @@ def _names(names: list[str]) -> str:
 
 
 PRELOAD_ENV = "HPC_GARAGE_WORKER_PRELOAD"
-PREFECT_PRELOAD = ("hpc_garage.prefect_worker",)  # Prefect's task path and its one-time set-up
+PREFECT_PRELOAD = ("hpc_garage.prefect.worker",)  # Prefect's task path and its one-time set-up
 # What the scheduler needs to unpickle a flow script's Prefect tasks (it does, for every task it is sent).
-PREFECT_SCHEDULER_PRELOAD = ("prefect.flows", "hpc_garage.prefect")
+PREFECT_SCHEDULER_PRELOAD = ("prefect.flows", "hpc_garage.prefect.task_runner")
 
 
 def worker_preload(env: Mapping[str, str]) -> list[str]:
@@ -102,7 +102,7 @@ def scheduler_preload(env: Mapping[str, str]) -> list[str]:
     """What the scheduler's process imports while the workers start: Prefect's task modules where Prefect
     is installed and the workers preload it (unset or default $HPC_GARAGE_WORKER_PRELOAD)."""
     wanted = worker_preload(env)
-    return [m for m in PREFECT_SCHEDULER_PRELOAD if "hpc_garage.prefect_worker" in wanted]
+    return [m for m in PREFECT_SCHEDULER_PRELOAD if "hpc_garage.prefect.worker" in wanted]
 
 
 def start_worker_forkserver(env: Mapping[str, str], preload: list[str]) -> None:
@@ -130,11 +130,9 @@ def start_worker_forkserver(env: Mapping[str, str], preload: list[str]) -> None:
     import dask
 
     dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"})
-    import distributed.utils
+    from hpc_garage.compat import skip_forkserver_optional_preload
 
-    if hasattr(distributed.utils, "_forkserver_preload_set"):
-        # else distributed imports every optional package it knows (pandas, ...) here to preload them
-        distributed.utils._forkserver_preload_set = True
+    skip_forkserver_optional_preload()
 
 
 class Launcher:
@@ -229,6 +227,15 @@ def run_entry(main: Callable[[], int]) -> None:
     except UserError as exc:
         print(f"hpc-garage: error: {exc}", file=sys.stderr)
         sys.exit(2)
+
+
+def local_directory(configured: str | None) -> str | None:
+    """A site's `local_directory` expanded on this node; None (Dask's default) while a variable in it is
+    unset here, e.g. $TMPDIR on a login node."""
+    if not configured:
+        return None
+    expanded = os.path.expanduser(os.path.expandvars(configured))
+    return None if "$" in expanded else expanded
 
 
 def security_from(tls: dict[str, str] | None) -> Any:

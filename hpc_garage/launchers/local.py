@@ -14,11 +14,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from hpc_garage.allocation import Allocation
-from hpc_garage.launchers.common import (Launcher, forkserver_env, security_from, start_worker_forkserver,
-                                        worker_preload)
-from hpc_garage.layout import Plan, WorkerSpec, plan
-from hpc_garage.site import Site, load_site
+from hpc_garage.core.allocation import Allocation
+from hpc_garage.launchers.common import (Launcher, forkserver_env, local_directory, security_from,
+                                        start_worker_forkserver, worker_options, worker_preload)
+from hpc_garage.core.layout import Plan, WorkerSpec, plan
+from hpc_garage.core.site import Site
 
 
 def machine_gpus() -> list[str]:
@@ -68,23 +68,16 @@ def local_plan(site: Site, cores: int | None = None, memory: int | None = None,
     return replace(shaped, workers=fitted), notes
 
 
-def cluster_specs(workers: list[WorkerSpec], *, security: Any = None, env: dict[str, str] | None = None,
-                  local_directory: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """SpecCluster's `scheduler` and `workers` specs: loopback only, TLS when a Security is given."""
-    from distributed import Nanny, Scheduler
-
-    from hpc_garage.launchers.common import worker_options
-    from hpc_garage.placement import FreeResourcePlacement
+def worker_specs(workers: list[WorkerSpec], *, security: Any = None, env: dict[str, str] | None = None,
+                 local_directory: str | None = None) -> dict[str, Any]:
+    """SpecCluster's `workers` spec: one Nanny per WorkerSpec, on loopback, TLS when a Security is given."""
+    from distributed import Nanny
 
     protocol = "tls" if security is not None else "tcp"
-    scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "port": 0, "dashboard_address": ":0",
-                                                "security": security, "protocol": protocol,
-                                                "plugins": [FreeResourcePlacement()]}}  # see placement.py
     extra: dict[str, Any] = {"host": "127.0.0.1", "security": security, "protocol": protocol}
     if local_directory:
         extra["local_directory"] = local_directory
-    workers_spec = {w.name: {"cls": Nanny, "options": worker_options(w, env=env, **extra)} for w in workers}
-    return scheduler, workers_spec
+    return {w.name: {"cls": Nanny, "options": worker_options(w, env=env, **extra)} for w in workers}
 
 
 class LocalLauncher(Launcher):
@@ -102,38 +95,10 @@ class LocalLauncher(Launcher):
                     rundir: Any) -> None:
         from distributed import Nanny
 
-        _, specs = cluster_specs(self.plan.workers, security=security_from(tls), env=worker_env,
-                                 local_directory=self.plan.site.local_directory_path())
+        specs = worker_specs(self.plan.workers, security=security_from(tls), env=worker_env,
+                             local_directory=local_directory(self.plan.site.local_directory))
         self.nannies = [Nanny(address, **spec["options"]) for spec in specs.values()]
         await asyncio.gather(*(n.start() for n in self.nannies))
 
     async def stop(self) -> None:
         await asyncio.gather(*(n.close(timeout=10) for n in self.nannies), return_exceptions=True)
-
-
-def _spec_cluster_class() -> type:
-    from distributed import SpecCluster
-
-    class LocalSiteCluster(SpecCluster):
-        """A SpecCluster whose workers are one node of a site (see the module docstring)."""
-
-        def __init__(self, site: str | Site | None = None, security: Any = None,
-                     env: dict[str, str] | None = None, **kwargs: Any) -> None:
-            if not isinstance(site, Site):
-                site = load_site(site or os.environ.get("HPC_GARAGE_SITE") or "local")
-            self.site_plan, self.notes = local_plan(site)  # SpecCluster already has a `plan`
-            scheduler, workers = cluster_specs(self.site_plan.workers, security=security, env=env,
-                                               local_directory=site.local_directory_path())
-            super().__init__(workers=workers, scheduler=scheduler, security=security,
-                             name=f"hpc-garage-{site.name}", **kwargs)
-
-    return LocalSiteCluster
-
-
-def __getattr__(name: str) -> Any:
-    # built on first use so importing this module does not import distributed
-    if name == "LocalSiteCluster":
-        cls = _spec_cluster_class()
-        globals()[name] = cls
-        return cls
-    raise AttributeError(name)

@@ -21,7 +21,6 @@ import json
 import os
 import signal
 import shlex
-import socket
 import sys
 import time
 from collections.abc import Mapping
@@ -29,12 +28,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpc_garage.errors import UserError
-from hpc_garage.launchers.common import (Launcher, end_process, forkserver_env, node_gpus, run_entry,
+from hpc_garage.core.errors import UserError
+from hpc_garage.launchers.common import (Launcher, end_process, forkserver_env, local_directory, node_gpus, run_entry,
                                         security_from, start_worker_forkserver, worker_options, worker_preload)
-from hpc_garage.layout import Plan, WorkerSpec, pin_gpus
+from hpc_garage.core.layout import Plan, WorkerSpec, pin_gpus
+from hpc_garage.schedulers import get, node_name, node_rank
 
-RANK_VARIABLES = ("SLURM_NODEID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "PALS_RANKID")
+RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "PALS_RANKID")  # after the batch system's own
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ def write_rank_plan(path: Path, plan_: Plan, *, scheduler_file: Path, tls: dict[
     The scheduler's address is not in it: the node processes start before the scheduler does and read
     the address from `scheduler_file`, which the scheduler writes once it listens.
     """
-    from hpc_garage.handoff import write_private
+    from hpc_garage.files import write_private
 
     data = {
         "scheduler_file": str(scheduler_file),
@@ -92,13 +92,10 @@ def write_rank_plan(path: Path, plan_: Plan, *, scheduler_file: Path, tls: dict[
     write_private(path, json.dumps(data))
 
 
-def node_name(env: Mapping[str, str]) -> str:
-    """This process's node as the batch system names it (several slurmd on one host differ only here)."""
-    return env.get("SLURMD_NODENAME") or socket.gethostname()
-
-
 def launcher_rank(env: Mapping[str, str]) -> int | None:
     """The rank its launcher gave this process (one per node, in the node list's order), if it says."""
+    if (rank := node_rank(env)) is not None:
+        return rank
     for name in RANK_VARIABLES:
         if env.get(name, "").isdigit():
             return int(env[name])
@@ -117,7 +114,7 @@ def node_index(name: str, hosts: list[str | None], rank: int | None) -> int:
     if matches:
         return matches[0]
     raise UserError(f"node {name!r} is not one of this job's nodes ({', '.join(map(str, hosts))}) and its "
-                    f"launcher set none of {', '.join(RANK_VARIABLES)}; set the site's mpi.launch")
+                    f"launcher set no rank variable; set the site's mpi.launch")
 
 
 def node_workers(workers: list[WorkerSpec], node: int, gpus: list[str], gpu_env_vars: tuple[str, ...],
@@ -146,7 +143,7 @@ async def _serve_node(data: dict[str, Any], mine: list[tuple[WorkerSpec, dict[st
     security = security_from(data["tls"])
     extra: dict[str, Any] = {"security": security, "protocol": "tls" if security else "tcp",
                              "interface": data["interface"]}
-    if directory := _expand(data["local_directory"]):
+    if directory := local_directory(data["local_directory"]):
         extra["local_directory"] = directory
     nannies = []
     for spec, env in mine:
@@ -169,11 +166,6 @@ async def _scheduler_address(path: Path, timeout: float) -> str:
         await asyncio.sleep(0.05)
 
 
-def _expand(path: str | None) -> str | None:
-    expanded = os.path.expanduser(os.path.expandvars(path)) if path else None
-    return None if expanded is None or "$" in expanded else expanded
-
-
 class MpiLauncher(Launcher):
     """The driver side, inside `hpc-garage run` on the job's first node: writes the rank plan, starts ranks."""
 
@@ -191,7 +183,8 @@ class MpiLauncher(Launcher):
         ranks_file = rundir.path / "ranks.json"
         write_rank_plan(ranks_file, self.plan, scheduler_file=rundir.dask_scheduler_file, tls=tls,
                         worker_env=worker_env, timeout=timeout, preload=worker_preload(self.env))
-        nodefile = self.env.get("PBS_NODEFILE") if self.plan.allocation.source == "pbs" else None
+        nodefile = get(self.plan.allocation.source).nodefile(self.env) if self.plan.allocation.source == "pbs" \
+            else None
         python = self.plan.site.python or sys.executable
         self.launch = rank_command(self.plan, [python, "-m", "hpc_garage.launchers.mpi", str(ranks_file)],
                                    in_slurm=self.plan.allocation.source == "slurm", nodefile=nodefile)

@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
+from hpc_garage.core.allocation import Allocation
+from hpc_garage.core.errors import AllocationError
 from hpc_garage.schedulers.base import BatchSystem
+
+if TYPE_CHECKING:
+    from hpc_garage.core.site import Site
+    from hpc_garage.sites.view import SiteView
+
+JOB_ID_VARIABLES = (("slurm", "SLURM_JOB_ID"), ("pbs", "PBS_JOBID"))
 
 
 def get(name: str) -> BatchSystem:
@@ -29,7 +39,65 @@ def detect(env: Mapping[str, str], prefer: str | None = None) -> BatchSystem | N
 
     Slurm's Torque plugin sets PBS_JOBID inside Slurm jobs too, so a site's own scheduler wins a tie.
     """
-    present = [name for name, var in (("slurm", "SLURM_JOB_ID"), ("pbs", "PBS_JOBID")) if env.get(var)]
+    present = [name for name, var in JOB_ID_VARIABLES if env.get(var)]
     if not present:
         return None
     return get(prefer if prefer in present else present[0])
+
+
+def in_batch_job(env: Mapping[str, str] | None = None) -> bool:
+    """Whether this process runs inside a SLURM or PBS job."""
+    env = os.environ if env is None else env
+    return any(var in env for _, var in JOB_ID_VARIABLES)
+
+
+def job_id(env: Mapping[str, str] | None = None) -> str | None:
+    """The id of the batch job this process runs in, or None on a login node."""
+    env = os.environ if env is None else env
+    batch = detect(env)
+    return batch.job_id(env) if batch is not None else None
+
+
+def allocation_from_env(site: Site, env: Mapping[str, str] | None = None) -> Allocation:
+    """The allocation of the job this process runs in (SLURM or PBS), read from its environment."""
+    env = os.environ if env is None else env
+    batch = detect(env, prefer=site.scheduler)
+    if batch is None:
+        raise AllocationError(
+            "not inside a batch job: neither SLURM_JOB_ID nor PBS_JOBID is set; "
+            "run under sbatch/salloc/qsub, or pass request flags such as --nodes"
+        )
+    return batch.allocation_from_env(env, site)
+
+
+def allocation_for(site: Site | SiteView, env: Mapping[str, str] | None = None, **request: int | None) -> Allocation:
+    """The job's own allocation when inside one and nothing was requested; otherwise the request."""
+    env = os.environ if env is None else env
+    asked = {k: v for k, v in request.items() if v is not None}
+    if not asked and site.scheduler != "local" and in_batch_job(env):
+        from hpc_garage.sites.view import full
+
+        return allocation_from_env(full(site), env)
+    return Allocation.from_request(
+        site,
+        nodes=asked.get("nodes"),
+        gpus_per_node=asked.get("gpus_per_node"),
+        cores_per_node=asked.get("cores_per_node"),
+        memory=asked.get("mem"),
+        walltime=asked.get("walltime"),
+    )
+
+
+def node_name(env: Mapping[str, str] | None = None) -> str:
+    """This process's node as the batch system names it (several slurmd on one host differ only here)."""
+    import socket
+
+    env = os.environ if env is None else env
+    return env.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def node_rank(env: Mapping[str, str] | None = None) -> int | None:
+    """The index of this process's node in the job's node list, where the batch system's launcher says."""
+    env = os.environ if env is None else env
+    value = env.get("SLURM_NODEID", "")
+    return int(value) if value.isdigit() else None

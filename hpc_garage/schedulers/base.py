@@ -10,21 +10,34 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from hpc_garage.errors import AllocationError, UserError
+from hpc_garage.core.errors import AllocationError, UserError
 
 if TYPE_CHECKING:
-    from hpc_garage.allocation import Allocation
-    from hpc_garage.jobscript import JobSpec
-    from hpc_garage.site import Site
+    from hpc_garage.core.allocation import Allocation
+    from hpc_garage.schedulers.jobscript import JobSpec
+    from hpc_garage.core.site import Site
 
 
 class BatchSystem:
     """One batch system: how to read a job's allocation, and (in subclasses) request, submit, query, cancel."""
 
     name: ClassVar[str]
+    job_id_variable: ClassVar[str] = ""  # SLURM_JOB_ID, PBS_JOBID
+
+    def job_id(self, env: Mapping[str, str]) -> str | None:
+        """The id of the job this environment belongs to."""
+        return env.get(self.job_id_variable) or None if self.job_id_variable else None
 
     def allocation_from_env(self, env: Mapping[str, str], site: Site) -> Allocation:
         raise NotImplementedError
+
+    def nodefile(self, env: Mapping[str, str]) -> str | None:
+        """A file listing the job's hosts, for an `mpiexec --hostfile` (PBS), or None."""
+        return None
+
+    def worker_job_options(self, job: WorkerJob) -> dict[str, Any]:
+        """dask-jobqueue's batch-specific keyword arguments for one worker job of this shape."""
+        raise UserError(f"launcher jobqueue needs scheduler slurm or pbs, not {self.name}")
 
     def run(self, argv: Sequence[str], *, input: str | None = None, timeout: float = 60) -> str:
         """Run one of the batch system's commands; its failure becomes one line naming the command."""
@@ -39,7 +52,7 @@ class BatchSystem:
             raise UserError(f"{argv[0]} failed: {said}")
         return done.stdout
 
-    # ---- taking jobs: each batch system says only what differs; the mechanism is hpc_garage.submission
+    # ---- taking jobs: each batch system says only what differs; the mechanism is hpc_garage.schedulers.submission
 
     template: ClassVar[str] = ""  # job-script template in jobscripts/
     directive_prefix: ClassVar[str] = ""  # "#SBATCH", "#PBS"
@@ -128,6 +141,38 @@ def require(env: Mapping[str, str], var: str, why: str) -> str:
     if not value:
         raise AllocationError(f"{var} is not set, so {why}; run inside the job, or pass request flags")
     return value
+
+
+@dataclass(frozen=True)
+class WorkerJob:
+    """What one jobqueue worker job asks its batch system for; values already checked as directive text."""
+
+    pool: str
+    cores: int
+    memory: int  # bytes
+    gpus: int
+    gpu_type: str | None
+    queue: str | None
+    account: str | None
+    qos: str | None
+    log_dir: str
+    directives: tuple[str, ...]  # the site's own, without the prefix
+
+
+JOB_VARIABLE_PREFIXES = ("SLURM_", "PBS_", "SBATCH_")
+KEPT_JOB_VARIABLES = ("SLURM_CONF",)  # where the cluster's configuration is: a submission needs it
+NODE_VARIABLES = ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "GPU_DEVICE_ORDINAL",
+                  "ZE_AFFINITY_MASK", "SLURMD_NODENAME")
+
+
+def submit_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The environment to submit a new job from: this one, without its own job's variables and GPUs.
+
+    sbatch exports the submitting environment into the job; a driver that is itself a batch job would
+    otherwise hand its job's values and its GPU list to the jobs it submits.
+    """
+    return {k: v for k, v in env.items()
+            if not (k.startswith(JOB_VARIABLE_PREFIXES) and k not in KEPT_JOB_VARIABLES) and k not in NODE_VARIABLES}
 
 
 # ------------------------------------------------------------------------------------- jobs: submit, query

@@ -8,14 +8,14 @@ from typing import TYPE_CHECKING
 from hpc_garage.schedulers.base import BatchSystem
 
 if TYPE_CHECKING:
-    from hpc_garage.allocation import Allocation
-    from hpc_garage.site import Site
+    from hpc_garage.core.allocation import Allocation
+    from hpc_garage.core.site import Site
 
 
 class Local(BatchSystem):
     name = "local"
 
     def allocation_from_env(self, env: Mapping[str, str], site: Site) -> Allocation:
-        from hpc_garage.allocation import Allocation
+        from hpc_garage.core.allocation import Allocation
 
         return Allocation.from_request(site)

@@ -8,14 +8,14 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpc_garage.allocation import Allocation, NodeAllocation
-from hpc_garage.errors import AllocationError, UserError
-from hpc_garage.schedulers.base import BatchSystem, JobStatus, _int, fallback_memory, require, visible_gpus
-from hpc_garage.units import format_walltime, parse_memory, parse_walltime
+from hpc_garage.core.allocation import Allocation, NodeAllocation
+from hpc_garage.core.errors import AllocationError, UserError
+from hpc_garage.schedulers.base import BatchSystem, JobStatus, WorkerJob, _int, fallback_memory, require, visible_gpus
+from hpc_garage.core.units import format_walltime, parse_memory, parse_walltime
 
 if TYPE_CHECKING:
-    from hpc_garage.jobscript import JobSpec
-    from hpc_garage.site import Site
+    from hpc_garage.schedulers.jobscript import JobSpec
+    from hpc_garage.core.site import Site
 
 
 def _qstat_f(job_id: str) -> str:
@@ -29,6 +29,7 @@ def _qstat_f(job_id: str) -> str:
 
 class Pbs(BatchSystem):
     name = "pbs"
+    job_id_variable = "PBS_JOBID"
 
     def allocation_from_env(
         self,
@@ -67,14 +68,14 @@ class Pbs(BatchSystem):
         return Allocation(nodes=node_list, source="pbs", job_id=job_id, walltime=walltime, notes=tuple(notes))
 
 
-    # ---- taking jobs: what PBS spells differently (the mechanism is hpc_garage.submission)
+    # ---- taking jobs: what PBS spells differently (the mechanism is hpc_garage.schedulers.submission)
 
     template = "pbs.sh"
     directive_prefix = "#PBS"
     submit_command = "qsub"
 
     def template_values(self, spec: JobSpec) -> dict[str, Any]:
-        from hpc_garage.jobscript import path_value, plain
+        from hpc_garage.schedulers.jobscript import path_value, plain
 
         if spec.qos:
             raise UserError(f"--qos {spec.qos}: PBS has no QOS; drop it, or add the site's equivalent to its directives")
@@ -94,7 +95,7 @@ class Pbs(BatchSystem):
             optional.append("-l place=scatter")
         return {
             "job_name": spec.job_name,
-            "select": f"{spec.nodes}:{chunk}:mem={_pbs_memory(spec.memory)}",
+            "select": f"{spec.nodes}:{chunk}:mem={pbs_memory(spec.memory)}",
             "walltime": format_walltime(spec.walltime),
             "output": path_value(spec.output, "the log path", quote=False),
             "directives": optional + list(spec.directives),
@@ -137,6 +138,17 @@ class Pbs(BatchSystem):
 
     def cancel_argv(self, job_id: str) -> list[str]:
         return ["qdel", job_id]
+
+    def nodefile(self, env: Mapping[str, str]) -> str | None:
+        return env.get("PBS_NODEFILE") or None
+
+    def worker_job_options(self, job: WorkerJob) -> dict[str, Any]:
+        if job.qos:
+            raise UserError(f"pool {job.pool}: PBS has no QOS; drop qos, or add the site's equivalent to directives")
+        select = f"select=1:ncpus={job.cores}" + (f":ngpus={job.gpus}" if job.gpus else "")
+        select += f":mem={pbs_memory(job.memory)}"  # last: Slurm's #PBS reader takes mem= to the line's end
+        return {"queue": job.queue, "account": job.account, "resource_spec": select,
+                "job_extra_directives": ["-j oe", f"-o {job.log_dir}/", *job.directives]}
 
 
 def _cores(env: Mapping[str, str], info: Mapping[str, str], nhosts: int) -> int:
@@ -223,6 +235,6 @@ def _pbs_exit(value: str | None) -> int | None:
     return 1 if code < 0 else 128 + code - 256 if code > 256 else code
 
 
-def _pbs_memory(size: int) -> str:
+def pbs_memory(size: int) -> str:
     """`mem=` as PBS writes it: whole gb where it divides, else mb (both binary, as in PBS)."""
     return f"{size // 2**30}gb" if size % 2**30 == 0 else f"{max(1, size // 2**20)}mb"

@@ -8,20 +8,21 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpc_garage.allocation import Allocation, NodeAllocation
-from hpc_garage.errors import AllocationError
-from hpc_garage.schedulers.base import BatchSystem, JobStatus, _int, fallback_memory, require, visible_gpus
-from hpc_garage.units import format_walltime, mib
+from hpc_garage.core.allocation import Allocation, NodeAllocation
+from hpc_garage.core.errors import AllocationError
+from hpc_garage.schedulers.base import BatchSystem, JobStatus, WorkerJob, _int, fallback_memory, require, visible_gpus
+from hpc_garage.core.units import format_walltime, mib
 
 if TYPE_CHECKING:
-    from hpc_garage.jobscript import JobSpec
-    from hpc_garage.site import Site
+    from hpc_garage.schedulers.jobscript import JobSpec
+    from hpc_garage.core.site import Site
 
 MIB = 2**20
 
 
 class Slurm(BatchSystem):
     name = "slurm"
+    job_id_variable = "SLURM_JOB_ID"
 
     def allocation_from_env(self, env: Mapping[str, str], site: Site) -> Allocation:
         job_id = require(env, "SLURM_JOB_ID", "this is not a SLURM job")
@@ -53,14 +54,14 @@ class Slurm(BatchSystem):
             notes=tuple(notes),
         )
 
-    # ---- taking jobs: what SLURM spells differently (the mechanism is hpc_garage.submission)
+    # ---- taking jobs: what SLURM spells differently (the mechanism is hpc_garage.schedulers.submission)
 
     template = "slurm.sh"
     directive_prefix = "#SBATCH"
     submit_command = "sbatch"
 
     def template_values(self, spec: JobSpec) -> dict[str, Any]:
-        from hpc_garage.jobscript import path_value, plain
+        from hpc_garage.schedulers.jobscript import path_value, plain
 
         optional = []
         if spec.queue:
@@ -143,6 +144,18 @@ class Slurm(BatchSystem):
 
     def cancel_argv(self, job_id: str) -> list[str]:
         return ["scancel", job_id]
+
+    def worker_job_options(self, job: WorkerJob) -> dict[str, Any]:
+        from hpc_garage.schedulers.jobscript import plain
+
+        lines = [f"--output={job.log_dir}/%x-%j.out"]
+        if job.gpus:
+            kind = f"gpu:{plain(job.gpu_type, 'GPU type')}" if job.gpu_type else "gpu"
+            lines.append(f"--gres={kind}:{job.gpus}")
+        if job.qos:
+            lines.append(f"--qos={plain(job.qos, 'qos')}")
+        return {"queue": job.queue, "account": job.account, "job_cpu": job.cores,
+                "job_mem": f"{max(1, mib(job.memory))}M", "job_extra_directives": lines + list(job.directives)}
 
 
 def _cores_per_node(env: Mapping[str, str], nhosts: int) -> list[int]:

@@ -9,7 +9,7 @@ import time
 
 from distributed import Client
 
-from hpc_garage.handoff import handoff_from_env
+from hpc_garage.cluster.handoff import handoff_from_env
 
 KEYS = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "SLURMD_NODENAME", "PREFECT_API_URL", "HPC_GARAGE_SITE")
 
@@ -18,7 +18,7 @@ def _preloaded() -> tuple[bool, bool]:
     """Prefect's task path imported and its logging set up before any task: forked from the forkserver."""
     from prefect.logging import configuration
 
-    return "hpc_garage.prefect_worker" in sys.modules, bool(configuration.PROCESS_LOGGING_CONFIG)
+    return "hpc_garage.prefect.worker" in sys.modules, bool(configuration.PROCESS_LOGGING_CONFIG)
 
 
 def main(out: str) -> None:

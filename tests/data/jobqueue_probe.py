@@ -15,7 +15,7 @@ import time
 import dask
 from distributed import Client, get_worker
 
-from hpc_garage.handoff import handoff_from_env
+from hpc_garage.cluster.handoff import handoff_from_env
 
 
 def probe(kind: str, duration: float) -> dict:

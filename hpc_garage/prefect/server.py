@@ -34,8 +34,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from hpc_garage.errors import UserError
-from hpc_garage.handoff import write_private
+from hpc_garage.core.errors import UserError
+from hpc_garage.files import write_private
 
 LOOPBACK = "127.0.0.1"
 QUIET = {"DO_NOT_TRACK": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hpc_garage.errors import UserError
+from hpc_garage.core.errors import UserError
 
 # option -> field, for options that take a value and shape the request
 _VALUED = {
@@ -182,7 +182,7 @@ def _passthrough(option: str, value: str | None) -> str:
 
 
 def _model(call: SbatchCall, v: dict[str, str]) -> None:
-    from hpc_garage.units import parse_memory, parse_walltime
+    from hpc_garage.core.units import parse_memory, parse_walltime
 
     call.site, call.account, call.qos, call.job_name = v.get("site"), v.get("account"), v.get("qos"), v.get("job_name")
     call.output, call.error = v.get("output"), v.get("error")
@@ -256,7 +256,7 @@ def _count(text: str, option: str) -> int:
 
 def site_for(call: SbatchCall) -> str:
     """The site named by --site, else the one SLURM site whose queue is the partition (or the default one)."""
-    from hpc_garage.site import find_sites, load_site
+    from hpc_garage.sites import find_sites, load_site
 
     if call.site:
         site = load_site(call.site)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from hpc_garage.errors import UserError
-from hpc_garage.units import parse_memory
+from hpc_garage.core.errors import UserError
+from hpc_garage.core.units import parse_memory
 
 PREFIX = "dask-resource:"
 FORM = "dask-resource:NAME=VALUE with a number >= 0, e.g. dask-resource:GPU=1 or dask-resource:MEMORY=10e9"

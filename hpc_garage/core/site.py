@@ -9,19 +9,18 @@ pydantic; both keep to these models (tests/test_siteview.py).
 from __future__ import annotations
 
 import difflib
-import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
-from hpc_garage import sitefiles as _files
-from hpc_garage.errors import SiteError
-from hpc_garage.sitefiles import NAME_PATTERN, SITES_PATH_ENV, packaged_dir, read_site_file  # noqa: F401 (API)
+from hpc_garage.core import site_values as _values
+from hpc_garage.core.errors import SiteError
+from hpc_garage.core.site_values import NAME_PATTERN
 
-Bytes = Annotated[int, BeforeValidator(_files.memory), Field(ge=0)]
-Seconds = Annotated[int, BeforeValidator(_files.walltime), Field(gt=0)]
-SecondsOrZero = Annotated[int, BeforeValidator(_files.walltime_or_zero), Field(ge=0)]
+Bytes = Annotated[int, BeforeValidator(_values.memory), Field(ge=0)]
+Seconds = Annotated[int, BeforeValidator(_values.walltime), Field(gt=0)]
+SecondsOrZero = Annotated[int, BeforeValidator(_values.walltime_or_zero), Field(ge=0)]
 
 
 class _Strict(BaseModel):
@@ -31,8 +30,8 @@ class _Strict(BaseModel):
 class NodeShape(_Strict):
     """What one node of the partition has. `auto` (cores, memory) means this machine: for `local` sites."""
 
-    cores: Annotated[int, BeforeValidator(_files.cores), Field(gt=0)]
-    memory: Annotated[int, BeforeValidator(_files.node_memory), Field(gt=0)]
+    cores: Annotated[int, BeforeValidator(_values.cores), Field(gt=0)]
+    memory: Annotated[int, BeforeValidator(_values.node_memory), Field(gt=0)]
     gpus: int = Field(0, ge=0)
     gpu_type: str | None = None
     gpu_vendor: Literal["nvidia", "amd"] = "nvidia"
@@ -278,13 +277,6 @@ class Site(_Strict):
         """The site's keys as written (YAML values, not parsed): what a worker job rebuilds the site from."""
         return dict(self._raw)
 
-    def local_directory_path(self) -> str | None:
-        """`local_directory` expanded here; None (Dask's default) while a variable in it is unset, e.g. $TMPDIR."""
-        if not self.local_directory:
-            return None
-        expanded = os.path.expanduser(os.path.expandvars(self.local_directory))
-        return None if "$" in expanded else expanded
-
     @property
     def gpu_env_vars(self) -> tuple[str, ...]:
         """Variables that pin a process to its GPUs on this site's hardware."""
@@ -301,30 +293,7 @@ def _job_gpus(site: Site) -> int:
     return site.node.gpus if gpus is None else gpus
 
 
-# ---------------------------------------------------------------------------------------------- loading
-
-
-def search_path(env: dict[str, str] | None = None) -> list[Path]:
-    """Where site files are looked for, first match wins (`sitefiles.search_path`, patchable here)."""
-    return _files.search_path(env)
-
-
-def find_sites() -> dict[str, Path]:
-    """Every visible site name and the file that wins for it."""
-    return _files.find_sites(search_path())
-
-
-def load_site(name_or_path: str | Path) -> Site:
-    """The site called NAME on the search path, or the site in the file at PATH."""
-    return parse_site_file(_files.site_file(name_or_path, find_sites))
-
-
-def parse_site_file(path: Path) -> Site:
-    data = read_site_file(path)
-    try:
-        return Site.model_validate({**data, "path": path})
-    except ValidationError as exc:
-        raise SiteError(f"{path}: {describe_validation_error(exc, Site)}") from None
+# ------------------------------------------------------------------------------------------- validating
 
 
 def parse_site_dict(data: dict[str, Any], origin: str = "<site>") -> Site:

@@ -2,21 +2,20 @@
 
 An Allocation comes from one of three places: a request (flags plus site defaults, checked against the
 site's limits before anything is submitted), a SLURM job's environment, or a PBS job's environment. The
-environment readers live in `hpc_garage.schedulers.<name>`; this module holds the shape and the request path.
+environment readers live in `hpc_garage.schedulers` (`allocation_from_env`); this module holds the shape
+and the request path, and reads nothing.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from hpc_garage.errors import AllocationError
-from hpc_garage.units import format_bytes, format_walltime
+from hpc_garage.core.errors import AllocationError
+from hpc_garage.core.units import format_bytes, format_walltime
 
 if TYPE_CHECKING:
-    from hpc_garage.site import Site
+    from hpc_garage.core.site import Site
 
 
 @dataclass(frozen=True)
@@ -82,29 +81,10 @@ class Allocation:
         )
         return cls(nodes=(node,) * request.nodes, source="request", walltime=request.walltime)
 
-    @classmethod
-    def from_env(cls, site: Site, env: Mapping[str, str] | None = None) -> Allocation:
-        """The allocation of the job this process runs in (SLURM or PBS), read from its environment."""
-        from hpc_garage.schedulers import detect
-
-        env = os.environ if env is None else env
-        batch = detect(env, prefer=site.scheduler)
-        if batch is None:
-            raise AllocationError(
-                "not inside a batch job: neither SLURM_JOB_ID nor PBS_JOBID is set; "
-                "run under sbatch/salloc/qsub, or pass request flags such as --nodes"
-            )
-        return batch.allocation_from_env(env, site)
-
     def describe(self) -> str:
         where = f"{self.source} job {self.job_id}" if self.job_id else f"{self.source}"
         time = f", walltime {format_walltime(self.walltime)}" if self.walltime else ""
         return f"{where}: {len(self.nodes)} node(s){time}"
-
-
-def in_batch_job(env: Mapping[str, str] | None = None) -> bool:
-    env = os.environ if env is None else env
-    return "SLURM_JOB_ID" in env or "PBS_JOBID" in env
 
 
 @dataclass(frozen=True)

@@ -20,18 +20,18 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from hpc_garage.allocation import Allocation, in_batch_job
-from hpc_garage.errors import UserError
-from hpc_garage.handoff import (JOB_ID_ENV, RUN_DIR_ENV, SCHEDULER_FILE_ENV, START_TIMEOUT_ENV, Handoff, RunDir,
-                               write_private)
+from hpc_garage.core.errors import UserError
+from hpc_garage.cluster.handoff import (JOB_ID_ENV, RUN_DIR_ENV, SCHEDULER_FILE_ENV, START_TIMEOUT_ENV, Handoff,
+                                       RunDir)
+from hpc_garage.files import write_private
 from hpc_garage.launchers.common import (Launcher, end_process, listening_host, scheduler_preload,
                                         security_from)
-from hpc_garage.layout import Plan, plan
-from hpc_garage.site import Site
+from hpc_garage.core.layout import Plan, plan
+from hpc_garage.core.site import Site
 
 SITE_ENV = "HPC_GARAGE_SITE"
 
@@ -53,8 +53,18 @@ class RunState:
         write_private(self.rundir.path / "state.json", json.dumps(self.data))
 
 
+ApiForHost = Callable[[str], dict[str, str]]
+
+
 def run(site: Site, command: list[str], *, insecure: bool = False, timeout: float = 180,
-        env: Mapping[str, str] | None = None) -> int:
+        env: Mapping[str, str] | None = None, api: ApiForHost | None = None) -> int:
+    """Run COMMAND against a cluster shaped by the site, in this job or here; COMMAND's exit code.
+
+    `api(host)` gives the environment that points the flow and every worker at one Prefect API listening
+    where the scheduler does (the CLI passes `prefect.server.ensure_api`); None: no API is arranged.
+    """
+    from hpc_garage.schedulers import allocation_from_env, in_batch_job, job_id as batch_job_id
+
     env = dict(os.environ if env is None else env)
     env.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")  # workers' start-up chatter hides the flow's output
     os.environ["DASK_LOGGING__DISTRIBUTED"] = env["DASK_LOGGING__DISTRIBUTED"]  # local workers are our children
@@ -63,14 +73,13 @@ def run(site: Site, command: list[str], *, insecure: bool = False, timeout: floa
     if shutil.which(command[0], path=env.get("PATH")) is None and not os.path.exists(command[0]):
         raise UserError(f"{command[0]!r}: command not found; check the command after --")
     if site.launcher == "jobqueue":
-        from hpc_garage.launchers.jobqueue import JobqueueLauncher, run_plan
+        from hpc_garage.launchers.jobqueue.launcher import JobqueueLauncher, run_plan
 
-        job_id = str(env["SLURM_JOB_ID" if "SLURM_JOB_ID" in env else "PBS_JOBID"]) if in_batch_job(env) \
-            else f"local-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        job_id = batch_job_id(env) or f"local-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         plan_, notes = run_plan(site)
         launcher = JobqueueLauncher(site, job_id)
     elif site.scheduler != "local" and in_batch_job(env):
-        allocation = Allocation.from_env(site, env)
+        allocation = allocation_from_env(site, env)
         plan_ = plan(site, allocation)
         from hpc_garage.launchers.mpi import MpiLauncher
 
@@ -90,13 +99,14 @@ def run(site: Site, command: list[str], *, insecure: bool = False, timeout: floa
         say("--insecure: the cluster speaks plain tcp; anyone who can reach its ports can run code in it")
     rundir = RunDir.for_job(site.run_directory, job_id).create()
     try:
-        return asyncio.run(_serve(site, plan_, launcher, rundir, job_id, command, env, insecure, timeout))
+        return asyncio.run(_serve(site, plan_, launcher, rundir, job_id, command, env, insecure, timeout, api))
     finally:
         launcher.abandon()
 
 
 async def _serve(site: Site, plan_: Plan, launcher: Launcher, rundir: RunDir, job_id: str,
-                 command: list[str], env: dict[str, str], insecure: bool, timeout: float) -> int:
+                 command: list[str], env: dict[str, str], insecure: bool, timeout: float,
+                 api: ApiForHost | None) -> int:
     """Start COMMAND, the workers and the scheduler at once (their imports overlap), publish the scheduler
     file once every worker has registered (COMMAND's task runner waits for it), end when COMMAND does."""
     logging.getLogger("distributed").setLevel(env["DASK_LOGGING__DISTRIBUTED"].upper())
@@ -105,7 +115,7 @@ async def _serve(site: Site, plan_: Plan, launcher: Launcher, rundir: RunDir, jo
     state("starting", workers=0, job_id=job_id, site=site.name)
     started = time.monotonic()
     tls = None if insecure else rundir.credential_paths()
-    api_env = _prefect_api(listening_host(launcher.scheduler_host))
+    api_env = api(listening_host(launcher.scheduler_host)) if api is not None else {}
     worker_env = {**site.env, **api_env, SITE_ENV: site.name,
                   "DASK_LOGGING__DISTRIBUTED": env["DASK_LOGGING__DISTRIBUTED"]}
     child_env = {**env, **api_env, SCHEDULER_FILE_ENV: str(rundir.scheduler_file), JOB_ID_ENV: job_id,
@@ -121,7 +131,7 @@ async def _serve(site: Site, plan_: Plan, launcher: Launcher, rundir: RunDir, jo
         proc = await _start_command(command, child_env, interrupted)  # it imports Prefect while the cluster starts
         from distributed import Scheduler  # about a second of imports, while the others start
 
-        from hpc_garage.placement import install
+        from hpc_garage.cluster.placement import install
 
         if tls is not None:
             rundir.write_credentials()
@@ -241,16 +251,6 @@ async def _wait(scheduler: Any, expected: list[str], timeout: float, launcher: L
                 task.cancel()
 
 
-def _prefect_api(host: str) -> dict[str, str]:
-    """One Prefect API for the flow and every worker (else each worker starts its own temporary server).
-
-    It listens where the scheduler does, so every worker that reaches one reaches the other.
-    """
-    from hpc_garage.prefect_server import ensure_api
-
-    return ensure_api(host=host)
-
-
 async def _start_command(command: list[str], env: dict[str, str], interrupted: list[int]) -> asyncio.subprocess.Process:
     """Start COMMAND; from now on SIGINT/SIGTERM to `run` go to COMMAND first, so the flow can finish its
     bookkeeping (during start-up they also stop the start-up)."""
@@ -282,7 +282,7 @@ async def _end_command(proc: asyncio.subprocess.Process) -> None:
 
 
 def site_for_run(name: str | None, env: Mapping[str, str]) -> Site:
-    from hpc_garage.site import load_site
+    from hpc_garage.sites import load_site
 
     return load_site(name or env.get(SITE_ENV) or "local")
 

@@ -2,7 +2,7 @@
 
 dask-jobqueue runs this as the job's command (its `worker_command`):
 
-    python -m hpc_garage.launchers.jobqueue_worker tls://HOST:PORT --name gpu-3 ... --hpc-garage-plan FILE
+    python -m hpc_garage.launchers.jobqueue.worker tls://HOST:PORT --name gpu-3 ... --hpc-garage-plan FILE
 
 Its `--nthreads`/`--memory-limit`/`--nworkers` would give every process the same share and the same GPUs;
 here they are ignored. The job reads what it was actually given (`Allocation.from_env`: cores, memory and
@@ -26,14 +26,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpc_garage.allocation import Allocation
-from hpc_garage.errors import UserError
-from hpc_garage.launchers.common import (forkserver_env, node_gpus, run_entry, security_from,
+from hpc_garage.core.allocation import Allocation
+from hpc_garage.schedulers import allocation_from_env, node_name
+from hpc_garage.core.errors import UserError
+from hpc_garage.launchers.common import (forkserver_env, local_directory, node_gpus, run_entry, security_from,
                                         start_worker_forkserver, worker_preload)
-from hpc_garage.layout import WorkerSpec, pin_gpus, plan
-from hpc_garage.pools import JobShape, advertised, job_shapes, lifetime, worker_names
-from hpc_garage.site import Site, parse_site_dict
-from hpc_garage.units import format_bytes, format_walltime
+from hpc_garage.core.layout import WorkerSpec, pin_gpus, plan
+from hpc_garage.core.pools import JobShape, advertised, job_shapes, lifetime, worker_names
+from hpc_garage.core.site import Site, parse_site_dict
+from hpc_garage.core.units import format_bytes, format_walltime
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ def job_workers(shape: JobShape, job_name: str, allocation: Allocation,
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m hpc_garage.launchers.jobqueue_worker")
+    parser = argparse.ArgumentParser(prog="python -m hpc_garage.launchers.jobqueue.worker")
     parser.add_argument("address")
     parser.add_argument("--name", required=True)
     parser.add_argument("--hpc-garage-plan", dest="plan", required=True)
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
                         "has ended, or its run directory is not on a file system this node shares") from None
     site: Site = parse_site_dict(data["site"], origin=f"site of {args.plan}")
     shape = job_shapes(site)[data["pool"]]
-    allocation = Allocation.from_env(shape.site)
+    allocation = allocation_from_env(shape.site)
     workers, notes = job_workers(shape, args.name, allocation, os.environ)
     remaining = allocation.end_time - time.time() if allocation.end_time else None
     life, stagger = lifetime(shape.site, remaining)
@@ -110,7 +111,7 @@ async def _serve(data: dict[str, Any], shape: JobShape, workers: list[JobWorker]
     nannies = [
         Nanny(data["address"], name=w.name, nthreads=w.spec.nthreads, memory_limit=w.spec.memory_limit,
               resources=w.resources, env={**data["env"], **w.env}, security=security,
-              protocol="tls" if security else "tcp", local_directory=site.local_directory_path(),
+              protocol="tls" if security else "tcp", local_directory=local_directory(site.local_directory),
               death_timeout=args.death_timeout, lifetime=f"{life}s", lifetime_stagger=f"{stagger}s",
               lifetime_restart=False, **where)
         for w in workers
@@ -125,7 +126,7 @@ async def _serve(data: dict[str, Any], shape: JobShape, workers: list[JobWorker]
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop, sig)
-    node = os.environ.get("SLURMD_NODENAME") or os.uname().nodename
+    node = node_name(os.environ)
     await asyncio.gather(*(n.start() for n in nannies))
     for w in workers:
         gpus = {k: v for k, v in w.env.items() if k.endswith("VISIBLE_DEVICES")}

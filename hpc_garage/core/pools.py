@@ -19,10 +19,10 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
 
-from hpc_garage.allocation import Allocation
-from hpc_garage.layout import Plan, WorkerSpec, describe, plan
-from hpc_garage.site import Site
-from hpc_garage.units import format_bytes, format_walltime
+from hpc_garage.core.allocation import Allocation
+from hpc_garage.core.layout import Plan, WorkerSpec, describe, plan
+from hpc_garage.core.site import Site
+from hpc_garage.core.units import format_bytes, format_walltime
 
 UNTAGGED = "UNTAGGED"  # the marker resource of tasks without resource tags
 UNTAGGED_SUPPLY = 1_000_000  # what a worker that takes untagged tasks advertises: threads, not this, limit them
@@ -265,7 +265,7 @@ def show_pools(site: Site, *, as_json: bool = False, **request: Any) -> str:
 
 def refuse_request(site: Site, request: Mapping[str, Any]) -> None:
     """Jobqueue sites take their worker jobs' shape from the site; a request flag would be silently ignored."""
-    from hpc_garage.errors import UserError
+    from hpc_garage.core.errors import UserError
 
     flags = {"nodes": "--nodes", "gpus_per_node": "--gpus-per-node", "cores_per_node": "--cores-per-node",
              "cores_per_worker": "-c/--cpus-per-task", "mem": "--mem", "memory": "--mem", "gpu_type": "a GPU type"}

@@ -16,10 +16,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpc_garage import sitefiles
+from hpc_garage.core import site_values
+from hpc_garage.sites import files as sitefiles
 
 if TYPE_CHECKING:
-    from hpc_garage.site import Site
+    from hpc_garage.core.site import Site
 
 
 class _Unsure(Exception):
@@ -78,11 +79,11 @@ def _mapping(value: Any) -> dict[str, str]:
     raise _Unsure
 
 
-# The fields of each model in hpc_garage.site, in its order: (name, default, check). Defaults are never checked,
+# The fields of each model in hpc_garage.core.site, in its order: (name, default, check). Defaults are never checked,
 # as in pydantic; a mutable default is copied per site.
 NODE = [
-    ("cores", REQUIRED, _integer(1, before=sitefiles.cores)),
-    ("memory", REQUIRED, _integer(1, before=sitefiles.node_memory)),
+    ("cores", REQUIRED, _integer(1, before=site_values.cores)),
+    ("memory", REQUIRED, _integer(1, before=site_values.node_memory)),
     ("gpus", 0, _integer(0)),
     ("gpu_type", None, _text(optional=True)),
     ("gpu_vendor", "nvidia", _choice("nvidia", "amd")),
@@ -91,11 +92,11 @@ WORKERS = [
     ("per", "node", _choice("gpu", "node", "process")),
     ("processes", 1, _integer(1)),
     ("threads", None, _integer(1, optional=True)),
-    ("reserve_memory", 0, _integer(0, before=sitefiles.memory)),
+    ("reserve_memory", 0, _integer(0, before=site_values.memory)),
 ]
 LIMITS = [
     ("max_nodes", None, _integer(1, optional=True)),
-    ("max_walltime", None, _integer(1, optional=True, before=sitefiles.walltime)),
+    ("max_walltime", None, _integer(1, optional=True, before=site_values.walltime)),
     ("max_gpus_per_node", None, _integer(0, optional=True)),
 ]
 MPI = [
@@ -114,14 +115,14 @@ JOBQUEUE_DEFAULTS: dict[str, Any] = {
 }
 SECTIONS: dict[str, list[tuple[str, Any, Check]]] = {"node": NODE, "workers": WORKERS, "limits": LIMITS, "mpi": MPI}
 SITE = [
-    ("name", REQUIRED, _text(pattern=sitefiles.NAME_PATTERN[1:-1])),
+    ("name", REQUIRED, _text(pattern=site_values.NAME_PATTERN[1:-1])),
     ("description", "", _text()),
     ("scheduler", REQUIRED, _choice("slurm", "pbs", "local")),
     ("launcher", "mpi", _choice("mpi")),  # jobqueue: pydantic
     ("queue", None, _text(optional=True)),
     ("account", None, _text(optional=True)),
     ("qos", None, _text(optional=True)),
-    ("walltime", 3600, _integer(1, before=sitefiles.walltime)),
+    ("walltime", 3600, _integer(1, before=site_values.walltime)),
     ("node", REQUIRED, None),
     ("workers", {}, None),
     ("limits", {}, None),
@@ -178,7 +179,7 @@ class SiteView:
 
     def full(self) -> Site:
         """The pydantic Site, for code that needs more than the view has (job environments, pools, scripts)."""
-        from hpc_garage.site import Site
+        from hpc_garage.core.site import Site
 
         return Site.model_validate({**self._raw, "path": self.path})
 
@@ -190,7 +191,7 @@ def load(name_or_path: str | Path) -> SiteView | Site:
     try:
         return view(data, path)
     except _Unsure:
-        from hpc_garage.site import parse_site_file
+        from hpc_garage.sites import parse_site_file
 
         return parse_site_file(path)
 

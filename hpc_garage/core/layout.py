@@ -13,12 +13,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from hpc_garage.allocation import Allocation, NodeAllocation
-from hpc_garage.errors import LayoutError
-from hpc_garage.units import format_bytes
+from hpc_garage.core.allocation import Allocation, NodeAllocation
+from hpc_garage.core.errors import LayoutError
+from hpc_garage.core.units import format_bytes
 
 if TYPE_CHECKING:  # not imported at run time: `show` lays out a SiteView without importing pydantic
-    from hpc_garage.site import Site
+    from hpc_garage.core.site import Site
 
 
 @dataclass(frozen=True)
@@ -193,7 +193,7 @@ def _layout_node(site: Site, index: int, node: NodeAllocation) -> tuple[_NodeWor
         if gpus == 0:
             raise LayoutError(
                 f"site {site.name} puts one worker per GPU but node {index} of the allocation has no GPUs; "
-                "request GPUs (--gpus-per-node, --gres=gpu:N) or use a site with workers.per: node"
+                "request GPUs (--gpus-per-node) or use a site with workers.per: node"
             )
         count = gpus
     elif per == "node":

@@ -33,18 +33,19 @@ from prefect.context import TagsContext
 from prefect_dask import DaskTaskRunner
 from prefect_dask.task_runners import PrefectDaskFuture
 
-from hpc_garage import prefect_fast
-from hpc_garage.errors import UserError
-from hpc_garage.handoff import handoff_from_env
-from hpc_garage.tags import resources_from_tags
+from hpc_garage.compat import dask_futures, runner_has_cluster, runner_started
+from hpc_garage.prefect import fast as prefect_fast
+from hpc_garage.core.errors import UserError
+from hpc_garage.cluster.handoff import handoff_from_env
+from hpc_garage.prefect.tags import resources_from_tags
 
 if TYPE_CHECKING:
-    from hpc_garage.site import Site
+    from hpc_garage.core.site import Site
 
 __all__ = ["HpcTaskRunner", "task_runner", "worker_resources"]
 
 SITE_ENV = "HPC_GARAGE_SITE"
-LOCAL_CLUSTER = "hpc_garage.launchers.local.LocalSiteCluster"
+LOCAL_CLUSTER = "hpc_garage.cluster.local.LocalSiteCluster"  # loaded by prefect-dask
 
 
 def task_runner(*, site: str | Site | None = None, **kwargs: Any) -> HpcTaskRunner:
@@ -53,7 +54,7 @@ def task_runner(*, site: str | Site | None = None, **kwargs: Any) -> HpcTaskRunn
     It is built when the flow is decorated, before the flow's first API call: the only moment at which
     the flow process can still be pointed at the shared Prefect API.
     """
-    from hpc_garage.prefect_server import ensure_api
+    from hpc_garage.prefect.server import ensure_api
 
     if kwargs.get("address") or kwargs.get("cluster") or kwargs.get("cluster_class"):
         use_api(ensure_api())  # the caller chose the cluster; the API is still ours to settle
@@ -85,7 +86,7 @@ class HpcTaskRunner(DaskTaskRunner):
         self._finished: list[Any] = []  # ids of task runs whose dask future is done
 
     def __enter__(self) -> HpcTaskRunner:
-        if not (self.address or self._cluster):
+        if not (self.address or runner_has_cluster(self)):
             _refuse_unguarded_flow_call()
         super().__enter__()
         return self
@@ -131,11 +132,11 @@ class HpcTaskRunner(DaskTaskRunner):
             self._submitter = prefect_fast.Submitter() if why is None else False
             if why is not None:
                 self.logger.warning(f"hpc-garage: plain prefect-dask task submission ({why})")
-        if not self._started or self._submitter is False:
+        if not runner_started(self) or self._submitter is False:
             return None
         if not all(prefect_fast.is_plain(v) for v in parameters.values()):
-            parameters = self._optimize_futures(parameters)  # PrefectDaskFutures -> their dask futures
-        wait_for = self._optimize_futures(wait_for) if wait_for else None
+            parameters = dask_futures(self, parameters)  # PrefectDaskFutures -> their dask futures
+        wait_for = dask_futures(self, wait_for) if wait_for else None
         call = self._submitter.task_call(task, parameters, wait_for, dependencies)
         if call is None:
             self.logger.warning("hpc-garage: plain prefect-dask task submission (prefect's context differs)")
@@ -260,7 +261,7 @@ def _is_main_guard(node: ast.stmt) -> bool:
 
 
 def _describe(resources: dict[str, float]) -> str:
-    from hpc_garage.units import format_bytes
+    from hpc_garage.core.units import format_bytes
 
     return ", ".join(f"{k}={format_bytes(v).replace(' ', '')}" if k == "MEMORY" else f"{k}={v:g}"
                      for k, v in sorted(resources.items()))

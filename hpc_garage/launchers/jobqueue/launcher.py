@@ -4,7 +4,7 @@
 to it. Per pool, a dask-jobqueue `SLURMCluster`/`PBSCluster` (so its own job classes, `job_script()`,
 `sbatch`/`qsub`, `scancel`/`qdel`, and SpecCluster's `<job>-<k>` worker naming) is pointed at that scheduler
 instead of starting one. What dask-jobqueue leaves out is added around it, not rewritten:
-- the job's command is `python -m hpc_garage.launchers.jobqueue_worker`, which reads the job's *real*
+- the job's command is `python -m hpc_garage.launchers.jobqueue.worker`, which reads the job's *real*
   allocation and starts one Nanny per WorkerSpec of the layout, each pinned to its own GPU (see that module);
 - the job header gets the GPUs (`--gres=gpu:N`, `select=…:ngpus=N`), the exact memory, and its log file;
 - one loop here scales every pool: `pools.pool_targets` from the scheduler's own state (it lives in this
@@ -35,10 +35,11 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from hpc_garage.errors import UserError
+from hpc_garage.compat import correct_state, scheduler_at
+from hpc_garage.core.errors import UserError
 from hpc_garage.launchers.common import Launcher, security_from
-from hpc_garage.layout import Plan, WorkerSpec
-from hpc_garage.pools import (
+from hpc_garage.core.layout import Plan, WorkerSpec
+from hpc_garage.core.pools import (
     POOL_RESOURCES_ENV,
     UNTAGGED,
     JobShape,
@@ -52,10 +53,10 @@ from hpc_garage.pools import (
     untagged_restrictions,
     worker_names,
 )
-from hpc_garage.site import Site
-from hpc_garage.units import format_walltime, mib
+from hpc_garage.core.site import Site
+from hpc_garage.core.units import format_walltime
 
-WORKER_MODULE = "hpc_garage.launchers.jobqueue_worker"
+WORKER_MODULE = "hpc_garage.launchers.jobqueue.worker"
 PLAN_PREFIX = "jobqueue-"  # <run dir>/jobqueue-<pool>.json: what a worker job reads (0600)
 JOBS_FILE = "worker-jobs.json"  # <run dir>/worker-jobs.json: every worker job of the run, and the events
 LOG_DIR = "worker-logs"
@@ -77,22 +78,17 @@ def say(message: str) -> None:
 
 
 def submit_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment `sbatch`/`qsub` run in: the driver's, without its own job's variables and GPUs.
+    """The environment `sbatch`/`qsub` run in: the driver's, without its own job's variables and GPUs."""
+    from hpc_garage.schedulers.base import submit_env as scrubbed
 
-    sbatch exports the submitting environment into the job; a driver that is itself a batch job would
-    otherwise hand its SLURM_*/PBS_* values and its CUDA_VISIBLE_DEVICES to the worker jobs.
-    """
-    env = os.environ if env is None else env
-    dropped = ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "GPU_DEVICE_ORDINAL", "SLURMD_NODENAME")
-    return {k: v for k, v in env.items()
-            if not (k.startswith(("SLURM_", "PBS_", "SBATCH_")) and k != "SLURM_CONF") and k not in dropped}
+    return scrubbed(os.environ if env is None else env)
 
 
 def job_kwargs(shape: JobShape, *, plan_file: str, log_dir: str, job_name: str,
                python: str | None = None) -> dict[str, Any]:
     """dask-jobqueue's keyword arguments for one pool's worker jobs. Every value that reaches the job
     script is checked as the submit path checks it (dask-jobqueue writes its values unquoted)."""
-    from hpc_garage.jobscript import directive, plain
+    from hpc_garage.schedulers.jobscript import directive, plain
 
     site, jq = shape.site, shape.site.jobqueue
     python = python or (os.path.expanduser(site.python) if site.python else sys.executable)
@@ -115,34 +111,22 @@ def job_kwargs(shape: JobShape, *, plan_file: str, log_dir: str, job_name: str,
         "interface": None,  # the worker reads the site's interface itself
         "local_directory": None,  # expanded inside the job, where $TMPDIR means something
     }
-    queue = plain(site.queue, "queue") if site.queue else None
-    account = plain(site.account, "account") if site.account else None
-    extra = [directive(d, "a directive of the site") for d in site.directives]
-    log_dir = plain(log_dir, "the run directory (worker job logs go there)")
-    if site.scheduler == "slurm":
-        lines = [f"--output={log_dir}/%x-%j.out"]
-        if shape.gpus:
-            kind = f"gpu:{plain(site.node.gpu_type, 'GPU type')}" if site.node.gpu_type else "gpu"
-            lines.append(f"--gres={kind}:{shape.gpus}")
-        if site.qos:
-            lines.append(f"--qos={plain(site.qos, 'qos')}")
-        return common | {"queue": queue, "account": account, "job_cpu": shape.cores,
-                         "job_mem": f"{max(1, mib(shape.memory))}M", "job_extra_directives": lines + extra}
-    if site.scheduler == "pbs":
-        from hpc_garage.schedulers.pbs import _pbs_memory
+    from hpc_garage.schedulers import get
+    from hpc_garage.schedulers.base import WorkerJob
 
-        if site.qos:
-            raise UserError(f"pool {shape.pool}: PBS has no QOS; drop qos, or add the site's equivalent to directives")
-        select = f"select=1:ncpus={shape.cores}" + (f":ngpus={shape.gpus}" if shape.gpus else "")
-        select += f":mem={_pbs_memory(shape.memory)}"  # last: Slurm's #PBS reader takes mem= to the line's end
-        return common | {"queue": queue, "account": account, "resource_spec": select,
-                         "job_extra_directives": ["-j oe", f"-o {log_dir}/", *extra]}
-    raise UserError(f"site {site.name}: launcher jobqueue needs scheduler slurm or pbs, not {site.scheduler}")
+    job = WorkerJob(
+        pool=shape.pool, cores=shape.cores, memory=shape.memory, gpus=shape.gpus, gpu_type=site.node.gpu_type,
+        queue=plain(site.queue, "queue") if site.queue else None,
+        account=plain(site.account, "account") if site.account else None, qos=site.qos,
+        log_dir=plain(log_dir, "the run directory (worker job logs go there)"),
+        directives=tuple(directive(d, "a directive of the site") for d in site.directives),
+    )
+    return common | get(site.scheduler).worker_job_options(job)
 
 
 def _classes(scheduler: str) -> tuple[type, type]:
     """dask-jobqueue's job and cluster classes for this batch system, with the few changes the launcher needs."""
-    from distributed.deploy.cluster import Cluster
+    from hpc_garage.compat import attached_spec_cluster, hooked_job
 
     previous = signal.getsignal(signal.SIGINT)
     from dask_jobqueue import PBSCluster, SLURMCluster
@@ -156,7 +140,7 @@ def _classes(scheduler: str) -> tuple[type, type]:
 
     base_cluster, base_job = (SLURMCluster, SLURMJob) if scheduler == "slurm" else (PBSCluster, PBSJob)
 
-    class PoolJob(base_job):  # type: ignore[misc, valid-type]
+    class PoolJob(hooked_job(base_job)):  # type: ignore[misc]
         submissions: Submissions | None = None  # set by the launcher: every job id this run was given
 
         def __init__(self, *args: Any, worker_threads: int | None = None, worker_memory_limit: int | None = None,
@@ -177,31 +161,21 @@ def _classes(scheduler: str) -> tuple[type, type]:
             return format_bytes(limit).replace(" ", "") if limit else super().worker_process_memory
 
         @staticmethod
-        async def _call(cmd: list[str], **kwargs: Any) -> str:
+        def call_options() -> dict[str, Any]:
             # a clean environment (see submit_env), and out of the terminal's process group: a Ctrl-C meant
             # for `run` must not kill the sbatch or scancel under way
-            return await base_job._call(cmd, env=submit_env(), start_new_session=True, **kwargs)
+            return {"env": submit_env(), "start_new_session": True}
 
-        async def _submit_job(self, script_filename: str) -> str:
-            # finished even if whoever awaits it is cancelled, and its job id recorded either way: a job
-            # submitted by an interrupted start-up is still one to cancel
-            inner = asyncio.ensure_future(base_job._submit_job(self, script_filename))
+        def submitted(self, submission: asyncio.Future[str], parse: Any) -> None:
+            # its job id is recorded even if whoever awaits it is cancelled: a job submitted by an
+            # interrupted start-up is still one to cancel
             if self.submissions is not None:
-                self.submissions.track(inner, self._job_id_from_submit_output)
-            return await asyncio.shield(inner)
+                self.submissions.track(submission, parse)
 
-    class PoolCluster(base_cluster):  # type: ignore[misc, valid-type]
+    class PoolCluster(attached_spec_cluster(base_cluster)):  # type: ignore[misc]
         """One pool's jobs, attached to `run`'s scheduler; the launcher (not SpecCluster) replaces ended jobs."""
 
         job_cls = PoolJob
-
-        def new_worker_spec(self) -> dict[str, Any]:
-            name = self._new_worker_name(self._i)  # never reuse a job name: its old workers may linger
-            self._i += 1
-            return {name: self.new_spec}
-
-        def _update_worker_status(self, op: str, msg: Any) -> None:
-            Cluster._update_worker_status(self, op, msg)
 
     return PoolJob, PoolCluster
 
@@ -238,7 +212,7 @@ def worker_scripts(site: Site, *, run_root: Path | None = None) -> str:
     """The worker job script of every pool, as it will be submitted (run-specific values as placeholders)."""
     from distributed.security import Security
 
-    from hpc_garage.submission import run_root as site_run_root
+    from hpc_garage.schedulers.submission import run_root as site_run_root
 
     run_dir = (run_root or site_run_root(site)) / "RUN_ID"
     cert, key = str(run_dir / "tls" / "cert.pem"), str(run_dir / "tls" / "key.pem")
@@ -255,26 +229,6 @@ def worker_scripts(site: Site, *, run_root: Path | None = None) -> str:
         parts.append(f"# ---- worker job of pool {pool} ({scaling}; {shape.workers_per_job} workers per job) ----\n"
                      + job.job_script())
     return "\n".join(parts)
-
-
-def worker_scripts_for(site_name: str) -> str:
-    """`hpc-garage show --worker-script`."""
-    from hpc_garage.site import load_site
-
-    site = load_site(site_name)
-    if site.launcher != "jobqueue":
-        raise UserError(f"site {site.name} uses the {site.launcher} launcher, which submits no worker jobs; "
-                        "--script shows its job script")
-    return worker_scripts(site)
-
-
-def drive_here(prepared: Any) -> int:
-    """`submit` on a site with `driver: login`: run the driver (scheduler, script) here, in the foreground."""
-    from hpc_garage.runner import run
-
-    spec = prepared.spec
-    say(f"site {prepared.site.name} runs its driver on the login node: hpc-garage run -- {spec.python} {spec.script}")
-    return run(prepared.site, [spec.python, spec.script, *spec.args])
 
 
 def worker_plan(site: Site, pool: str, *, address: str, tls: dict[str, str] | None,
@@ -310,7 +264,7 @@ class JobRecord:
 def run_plan(site: Site) -> tuple[Plan, list[str]]:
     """What `run` waits for before COMMAND: the workers of each pool's first jobs (its fixed count, or its
     minimum), named as their jobs will name them; and what to say about the pools."""
-    from hpc_garage.allocation import Allocation
+    from hpc_garage.core.allocation import Allocation
 
     shapes = job_shapes(site)
     workers: list[WorkerSpec] = []
@@ -364,12 +318,10 @@ class JobqueueLauncher(Launcher):
 
     async def start(self, address: str, tls: dict[str, str] | None, worker_env: dict[str, str],
                     rundir: Any) -> None:
-        from distributed import Scheduler
-
-        from hpc_garage.handoff import write_private
+        from hpc_garage.files import write_private
 
         self.rundir = rundir
-        self.scheduler = next((s for s in Scheduler._instances if s.address == address), None)
+        self.scheduler = scheduler_at(address)
         if self.scheduler is None:
             raise UserError(f"the jobqueue launcher runs inside `hpc-garage run`, next to its scheduler ({address})")
         if any(shape.marker for shape in self.shapes.values()):
@@ -589,7 +541,7 @@ class JobqueueLauncher(Launcher):
         for name in new:
             self.jobs[name] = JobRecord(pool=pool, name=name, submitted=time.time())
         try:
-            await cluster._correct_state()
+            await correct_state(cluster)
         except Exception as exc:  # noqa: BLE001 - sbatch refused: say why, stop the pool, do not retry blindly
             for name in new:
                 job = cluster.workers.get(name)
@@ -676,7 +628,7 @@ class JobqueueLauncher(Launcher):
     def _write_jobs(self) -> None:
         if self.rundir is None:
             return
-        from hpc_garage.handoff import write_private
+        from hpc_garage.files import write_private
 
         data = {"run": self.run_id, "pools": {p: self._describe(p) for p in self.shapes},
                 "jobs": [asdict(r) for r in self.jobs.values()], "events": self.events,

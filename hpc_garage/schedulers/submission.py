@@ -24,14 +24,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from hpc_garage.errors import UserError
-from hpc_garage.handoff import RunDir, write_private
+from hpc_garage.core.errors import UserError
+from hpc_garage.files import run_dir as job_run_dir, run_root as expand_root, write_private
 from hpc_garage.schedulers.base import JOB_ID, BatchSystem, JobStatus
 
 if TYPE_CHECKING:
-    from hpc_garage.jobscript import JobSpec
-    from hpc_garage.layout import Plan
-    from hpc_garage.site import Site
+    from hpc_garage.schedulers.jobscript import JobSpec
+    from hpc_garage.core.layout import Plan
+    from hpc_garage.core.site import Site
 
 SUBMIT_FILE = "submit.json"
 STATE_FILE = "state.json"
@@ -40,12 +40,12 @@ CLOCK_SLACK = 5.0  # seconds: a state.json or log older than the submission (min
 
 
 def run_root(site: Site) -> Path:
-    """Where a site's run directories live (`RunDir.for_job(site.run_directory, id)` is one of them)."""
+    """Where a site's run directories live (`files.run_dir(site.run_directory, id)` is one of them)."""
     return _root(site.run_directory)
 
 
 def _root(run_directory: str) -> Path:
-    return RunDir.for_job(run_directory, "_").path.parent
+    return expand_root(run_directory)
 
 
 # -------------------------------------------------------------------------------------------- submitting
@@ -77,9 +77,9 @@ def prepare(
 
     `request` holds `jobscript.job_spec`'s keywords (nodes, gpus_per_node, memory, walltime, queue, ...).
     """
-    from hpc_garage.jobscript import job_name_for, job_spec, render
+    from hpc_garage.schedulers.jobscript import job_name_for, job_spec, render
     from hpc_garage.schedulers import get
-    from hpc_garage.site import load_site
+    from hpc_garage.sites import load_site
 
     site = load_site(site_name)
     if site.scheduler == "local":
@@ -135,7 +135,7 @@ def submit(prepared: Prepared) -> Submitted:
             f.write(prepared.script)
         job_id = batch.parse_job_id(batch.run(batch.submit_argv(Path(temp), spec)))
         # undone in reverse: the job is cancelled first, then its log and run directory go
-        run_dir = RunDir.for_job(prepared.root, job_id).path
+        run_dir = job_run_dir(prepared.root, job_id)
         if not run_dir.exists():
             undo.append(lambda: shutil.rmtree(run_dir, ignore_errors=True))
         log = batch.log_path(spec.output, job_id, spec.job_name)
@@ -266,7 +266,8 @@ class JobView:
 
 def run_roots() -> list[Path]:
     """Every run root a visible site names (sites may differ), the default one first."""
-    from hpc_garage.site import Site, find_sites, load_site
+    from hpc_garage.core.site import Site
+    from hpc_garage.sites import find_sites, load_site
 
     roots = [_root(Site.model_fields["run_directory"].default)]
     for path in find_sites().values():
@@ -304,7 +305,7 @@ def find(job_id: str, site_name: str | None = None) -> JobView:
     check_job_id(job_id)
     roots = None
     if site_name:
-        from hpc_garage.site import load_site
+        from hpc_garage.sites import load_site
 
         site = load_site(site_name)
         roots = [run_root(site)]

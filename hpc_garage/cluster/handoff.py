@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpc_garage.errors import UserError
+from hpc_garage.core.errors import UserError
+from hpc_garage.files import run_dir, write_private
 
 if TYPE_CHECKING:
     from distributed.security import Security
@@ -32,22 +33,13 @@ START_TIMEOUT_ENV = "HPC_GARAGE_START_TIMEOUT"  # how long `run` gives its worke
 HANDOFF_FILES = ("scheduler.json", "dask-scheduler.json", "tls", "workers")
 
 
-def write_private(path: Path, text: str) -> None:
-    """Write a file readable by its owner only, atomically: no reader ever sees half of it."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 @dataclass(frozen=True)
 class RunDir:
     path: Path
 
     @classmethod
     def for_job(cls, root: str | Path, job_id: str) -> RunDir:
-        return cls(Path(os.path.expandvars(str(root))).expanduser() / job_id)
+        return cls(run_dir(root, job_id))
 
     def create(self) -> RunDir:
         """Make the directory private, and clear what an earlier job with the same id left behind."""

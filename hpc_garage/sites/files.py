@@ -1,7 +1,7 @@
-"""Finding and reading site files, and the unit converters of their values: everything about sites but pydantic.
+"""Finding and reading site files: everything about site files but pydantic.
 
-Kept apart from `hpc_garage.site` (the pydantic models) so that `show` and `sites` can load a site without
-importing pydantic, which alone costs as much as importing click (see `hpc_garage.siteview`).
+Kept apart from `hpc_garage.core.site` (the pydantic models) so that `show` and `sites` can load a site without
+importing pydantic, which alone costs as much as importing click (see `hpc_garage.sites.view`).
 """
 
 from __future__ import annotations
@@ -14,37 +14,10 @@ from typing import Any
 
 import yaml
 
-from hpc_garage.errors import SiteError
-from hpc_garage.units import parse_memory, parse_walltime
+from hpc_garage.core.errors import SiteError
+from hpc_garage.core.site_values import NAME_PATTERN  # noqa: F401 (API)
 
 SITES_PATH_ENV = "HPC_GARAGE_SITES_PATH"
-NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
-
-# ---------------------------------------------------------------------------------------- value converters
-# BeforeValidators of the site models, shared with the fast path so that both convert values the same way.
-
-
-def memory(value: Any) -> int:
-    return parse_memory(value, bare=None)
-
-
-def walltime(value: Any) -> int:
-    return parse_walltime(value)
-
-
-def cores(value: Any) -> Any:
-    return os.cpu_count() or 1 if value == "auto" else value
-
-
-def node_memory(value: Any) -> int:
-    if value == "auto":
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return memory(value)
-
-
-def walltime_or_zero(value: Any) -> int:
-    return 0 if value in (0, "0") else parse_walltime(value)
-
 
 # ---------------------------------------------------------------------------------------------- finding
 
@@ -59,8 +32,9 @@ def search_path(env: dict[str, str] | None = None) -> list[Path]:
 
 def packaged_dir(name: str) -> Path:
     """A data folder shipped with hpc-garage: inside the wheel, or beside the package in a source checkout."""
-    inside = Path(__file__).parent / "_data" / name
-    return inside if inside.is_dir() else Path(__file__).parent.parent / name
+    package = Path(__file__).parent.parent
+    inside = package / "_data" / name
+    return inside if inside.is_dir() else package.parent / name
 
 
 def find_sites(dirs: list[Path] | None = None) -> dict[str, Path]:

@@ -18,10 +18,11 @@ from functools import cache
 from typing import Any
 
 from hpc_garage import __version__
-from hpc_garage.allocation import Allocation
-from hpc_garage.errors import UserError
-from hpc_garage.layout import Plan, plan
-from hpc_garage.site import Site, packaged_dir
+from hpc_garage.core.allocation import Allocation
+from hpc_garage.core.errors import UserError
+from hpc_garage.core.layout import Plan, plan
+from hpc_garage.core.site import Site
+from hpc_garage.sites.files import packaged_dir
 
 _JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}")
 _PLAIN = re.compile(r"[A-Za-z0-9_.,:@%+=/~-]+")  # nothing any directive parser or shell treats specially
@@ -113,7 +114,7 @@ def job_spec(
     A jobqueue site's job is its driver (see `driver_job_spec`).
     """
     if site.launcher == "jobqueue":
-        from hpc_garage.pools import refuse_request
+        from hpc_garage.core.pools import refuse_request
 
         refuse_request(site, {"nodes": nodes, "gpus_per_node": gpus_per_node, "cores_per_node": cores_per_node,
                               "cores_per_worker": cores_per_worker, "memory": memory, "gpu_type": gpu_type})
@@ -166,7 +167,7 @@ def driver_job_spec(
 ) -> tuple[JobSpec, Plan]:
     """The driver job of a jobqueue site: one small task that runs `hpc-garage run` (the scheduler and the
     script), which submits the worker jobs. Its plan is the first pool's worker job, for the notes."""
-    from hpc_garage.pools import job_shapes
+    from hpc_garage.core.pools import job_shapes
 
     jq = site.jobqueue
     allocation = Allocation.from_request(site, nodes=1, gpus_per_node=0, cores_per_node=jq.driver_cores,

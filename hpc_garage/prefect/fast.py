@@ -52,6 +52,9 @@ import prefect
 import prefect.context
 from prefect.context import SettingsContext, SyncClientContext, serialize_context
 
+from hpc_garage.compat import (context_var, deployment_context, has_context_vars, has_deployment_context,
+                               stretch_no_tag_limits_cache)
+
 __all__ = ["SettingsPayload", "Submitter", "TaskCall", "await_recorded", "problem", "run_task", "worker_stats"]
 
 DISABLE_ENV = "HPC_GARAGE_PREFECT_FAST"
@@ -75,11 +78,11 @@ def problem() -> str | None:
         return f"prefect {prefect.__version__} is outside {low[0]}.{low[1]}–<{high[0]}.{high[1]} (tested: {TESTED_PREFECT})"
     from prefect.context import hydrated_context
 
-    if not all(hasattr(c, "__var__") for c in (SettingsContext, SyncClientContext)):
-        return "prefect's context classes no longer carry __var__"
+    if not has_context_vars(SettingsContext, SyncClientContext):
+        return "prefect's context classes no longer carry their ContextVar"
     if "client" not in SyncClientContext.model_fields:
         return "SyncClientContext has no `client` field"
-    if not all(hasattr(prefect.context, n) for n in ("_deployment_id", "_deployment_parameters", "AssetContext")):
+    if not has_deployment_context() or not hasattr(prefect.context, "AssetContext"):
         return "prefect.context lacks the deployment context variables or AssetContext"
     if list(inspect.signature(hydrated_context).parameters) != ["serialized_context", "client"]:
         return "prefect.context.hydrated_context changed its signature"
@@ -147,11 +150,10 @@ class Submitter:
 
     def _context(self, asset_ctx_kwargs: dict[str, Any]) -> dict[str, Any]:
         """`serialize_context(asset_ctx_kwargs)` of prefect 3.8, less the settings (sent separately)."""
-        from prefect.context import (AssetContext, TagsContext, TaskRunContext, _deployment_id,
-                                     _deployment_parameters)
+        from prefect.context import AssetContext, TagsContext, TaskRunContext
 
         task_run_context, tags_context = TaskRunContext.get(), TagsContext.get()
-        deployment_id = _deployment_id.get()
+        deployment_id, deployment_parameters = deployment_context()
         return {
             "flow_run_context": self._flow_run_context(),
             "task_run_context": task_run_context.serialize() if task_run_context else {},
@@ -159,7 +161,7 @@ class Submitter:
             "settings_context": {},
             "asset_context": AssetContext.from_task_and_inputs(**asset_ctx_kwargs).serialize(),
             "deployment_id": str(deployment_id) if deployment_id else None,
-            "deployment_parameters": _deployment_parameters.get(),
+            "deployment_parameters": deployment_parameters,
         }
 
     def _flow_run_context(self) -> dict[str, Any]:
@@ -291,18 +293,7 @@ def trust_no_tag_limits_longer(ttl: float = TAG_LIMITS_TTL) -> bool:
     """Stretch Prefect's per-process "no tag concurrency limits" cache (see the module docstring); False
     where this Prefect has no such cache, which leaves its behaviour as it is."""
     _tuned.append(True)
-    try:
-        import cachetools
-        from prefect.concurrency import services
-    except ImportError:
-        return False
-    cache = getattr(services, "_no_limits_cache", None)
-    if not isinstance(cache, cachetools.TTLCache):
-        return False
-    with services._cache_lock:
-        if cache.ttl < ttl:
-            services._no_limits_cache = cachetools.TTLCache(maxsize=cache.maxsize, ttl=ttl)
-    return True
+    return stretch_no_tag_limits_cache(ttl)
 
 
 def worker_stats() -> dict[str, int]:
@@ -344,7 +335,7 @@ class _entered:
     successive tasks, so it is set through the ContextVar rather than entered, which Prefect forbids twice)."""
 
     def __init__(self, kind: Any, value: Any) -> None:
-        self.var, self.value, self.token = kind.__var__, value, None
+        self.var, self.value, self.token = context_var(kind), value, None
 
     def __enter__(self) -> None:
         if self.value is not None:

@@ -44,7 +44,9 @@ from typing import TYPE_CHECKING, Any
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
-from hpc_garage.pools import fits
+from hpc_garage.compat import replace_valid_workers
+
+from hpc_garage.core.pools import fits
 
 if TYPE_CHECKING:
     from distributed import Scheduler
@@ -121,8 +123,7 @@ class FreeResourcePlacement(SchedulerPlugin):
         from tornado.ioloop import PeriodicCallback
 
         self.scheduler = scheduler
-        self._dask_valid_workers = scheduler.valid_workers
-        scheduler.valid_workers = self.valid_workers  # type: ignore[method-assign]  # no hook for this
+        self._dask_valid_workers = replace_valid_workers(scheduler, self.valid_workers)
         timeout = getattr(scheduler, "no_workers_timeout", None)
         period = min(SWEEP_SECONDS, timeout / 4) if timeout else SWEEP_SECONDS
         sweep = PeriodicCallback(self.sweep, period * 1000)

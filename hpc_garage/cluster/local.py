@@ -1,0 +1,60 @@
+"""A login-node cluster without `hpc-garage run`: what `task_runner()` starts when no job handed it one.
+
+A SpecCluster whose workers are one node of the site, fitted to this machine (`launchers.local.local_plan`),
+and whose scheduler places resource tasks as every cluster hpc-garage starts does (`cluster.placement`).
+prefect-dask builds it from its dotted name (`cluster_class`), so importing this module stays cheap until
+`LocalSiteCluster` is first asked for.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from hpc_garage.core.site import Site
+from hpc_garage.launchers.common import local_directory
+from hpc_garage.launchers.local import local_plan, worker_specs
+
+
+def cluster_specs(workers: list[Any], *, security: Any = None, env: dict[str, str] | None = None,
+                  local_directory: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """SpecCluster's `scheduler` and `workers` specs: loopback only, TLS when a Security is given."""
+    from distributed import Scheduler
+
+    from hpc_garage.cluster.placement import FreeResourcePlacement
+
+    protocol = "tls" if security is not None else "tcp"
+    scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "port": 0, "dashboard_address": ":0",
+                                                "security": security, "protocol": protocol,
+                                                "plugins": [FreeResourcePlacement()]}}  # see placement.py
+    return scheduler, worker_specs(workers, security=security, env=env, local_directory=local_directory)
+
+
+def _spec_cluster_class() -> type:
+    from distributed import SpecCluster
+
+    from hpc_garage.sites import load_site
+
+    class LocalSiteCluster(SpecCluster):
+        """A SpecCluster whose workers are one node of a site (see the module docstring)."""
+
+        def __init__(self, site: str | Site | None = None, security: Any = None,
+                     env: dict[str, str] | None = None, **kwargs: Any) -> None:
+            if not isinstance(site, Site):
+                site = load_site(site or os.environ.get("HPC_GARAGE_SITE") or "local")
+            self.site_plan, self.notes = local_plan(site)  # SpecCluster already has a `plan`
+            scheduler, workers = cluster_specs(self.site_plan.workers, security=security, env=env,
+                                               local_directory=local_directory(site.local_directory))
+            super().__init__(workers=workers, scheduler=scheduler, security=security,
+                             name=f"hpc-garage-{site.name}", **kwargs)
+
+    return LocalSiteCluster
+
+
+def __getattr__(name: str) -> Any:
+    # built on first use so importing this module does not import distributed
+    if name == "LocalSiteCluster":
+        cls = _spec_cluster_class()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(name)

@@ -1,0 +1,275 @@
+"""Every use of another package's private names, in one place, each with the versions it was verified on.
+
+hpc-garage reaches into distributed, dask-jobqueue, Prefect and prefect-dask where they have no public hook
+for what it needs (the reason is given at each use). Those names can change in any release, so:
+- each use is declared here with `@uses(package, what, verified)`; `VERIFIED` is the range of each package
+  the uses were checked against, and `pyproject.toml`'s bounds are the same ranges (a test holds them equal);
+- outside its range, or where the name is gone, a use either falls back (said where) or raises
+  `CompatError`, one line naming the package, its version and the range, never an AttributeError.
+`uses_outside_range()` lists what the installed versions put at risk; `hpc-garage --version` does not import
+this module (it imports the packages it names, lazily, per use).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import importlib.metadata
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from hpc_garage.core.errors import UserError
+
+# package → [lowest verified, first unverified): the installed versions were checked by the test suite
+VERIFIED: dict[str, tuple[str, str]] = {
+    "distributed": ("2026.8.0", "2026.9.0"),
+    "dask-jobqueue": ("0.9.0", "0.10.0"),
+    "prefect": ("3.8.0", "3.9.0"),
+    "prefect-dask": ("0.3.7", "0.4.0"),
+}
+
+
+class CompatError(UserError):
+    """An installed package lacks a private name hpc-garage needs: install a verified version."""
+
+
+@dataclass(frozen=True)
+class Use:
+    package: str
+    what: str  # the private name, as the package spells it
+    function: str  # the function here that touches it
+
+
+USES: list[Use] = []
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def uses(package: str, what: str) -> Callable[[F], F]:
+    """Declare that the decorated function touches `what` of `package`; an AttributeError or ImportError
+    from it becomes a CompatError naming the package, its version and the verified range."""
+
+    def decorate(function: F) -> F:
+        USES.append(Use(package, what, function.__name__))
+
+        def explain(exc: BaseException) -> CompatError:
+            return CompatError(f"{package} {version(package)} has no {what} (hpc-garage uses it, verified on "
+                               f"{package}>={VERIFIED[package][0]},<{VERIFIED[package][1]}: {exc}); "
+                               f"install {package}>={VERIFIED[package][0]},<{VERIFIED[package][1]}")
+
+        if asyncio.iscoroutinefunction(function):
+            @functools.wraps(function)
+            async def guarded_async(*args: Any, **kwargs: Any) -> Any:
+                try:
+                    return await function(*args, **kwargs)
+                except (AttributeError, ImportError) as exc:
+                    raise explain(exc) from None
+
+            return guarded_async  # type: ignore[return-value]
+
+        @functools.wraps(function)
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return function(*args, **kwargs)
+            except (AttributeError, ImportError) as exc:
+                raise explain(exc) from None
+
+        return guarded  # type: ignore[return-value]
+
+    return decorate
+
+
+@functools.cache
+def version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed)"
+
+
+def _key(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", text)[:3])
+
+
+def in_range(package: str, installed: str | None = None) -> bool:
+    low, high = VERIFIED[package]
+    installed = version(package) if installed is None else installed
+    return bool(re.match(r"\d", installed)) and _key(low) <= _key(installed) < _key(high)
+
+
+def uses_outside_range() -> list[str]:
+    """One line per private use whose package is installed outside the verified range."""
+    return [f"{u.package} {version(u.package)}: {u.what} ({u.function}; verified {VERIFIED[u.package][0]}.."
+            f"<{VERIFIED[u.package][1]})" for u in USES if not in_range(u.package)]
+
+
+# --------------------------------------------------------------------------------------------- distributed
+
+
+@uses("distributed", "distributed.utils._forkserver_preload_set")
+def skip_forkserver_optional_preload() -> bool:
+    """distributed, when a Nanny first uses the forkserver, preloads every optional package it knows
+    (pandas, numpy, ...) into it. Ours is preloaded already; mark it done. Fallback where the flag is gone:
+    nothing (distributed then imports those packages, which only costs start-up time)."""
+    import distributed.utils
+
+    if not in_range("distributed") or not hasattr(distributed.utils, "_forkserver_preload_set"):
+        return False
+    distributed.utils._forkserver_preload_set = True
+    return True
+
+
+@uses("distributed", "Scheduler._instances")
+def scheduler_at(address: str) -> Any:
+    """The Scheduler object in this process listening at `address`, or None. (The jobqueue launcher
+    attaches dask-jobqueue's clusters to `run`'s own scheduler; distributed keeps no public registry.)"""
+    from distributed import Scheduler
+
+    return next((s for s in Scheduler._instances if s.address == address), None)
+
+
+@uses("distributed", "Scheduler.valid_workers")
+def replace_valid_workers(scheduler: Any, valid_workers: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """Install `valid_workers` as the scheduler's worker filter; return the scheduler's own. (No plugin hook
+    decides which workers may take a task: dask/distributed #6467, #9108.)"""
+    own = scheduler.valid_workers
+    scheduler.valid_workers = valid_workers
+    return own
+
+
+@uses("distributed", "SpecCluster._correct_state")
+async def correct_state(cluster: Any) -> None:
+    """Make a SpecCluster start the jobs its worker_spec gained now, so a refusal is seen by the caller
+    (SpecCluster.scale only schedules it)."""
+    await cluster._correct_state()
+
+
+@uses("distributed", "SpecCluster._new_worker_name / SpecCluster._i / Cluster._update_worker_status")
+def attached_spec_cluster(base: type) -> type:
+    """A dask-jobqueue cluster class that never reuses a job name (an old job's workers may linger under it)
+    and that does not itself replace workers that leave (the launcher does, by its own policy)."""
+    from distributed.deploy.cluster import Cluster
+
+    class Attached(base):  # type: ignore[misc, valid-type]
+        def new_worker_spec(self) -> dict[str, Any]:
+            name = self._new_worker_name(self._i)
+            self._i += 1
+            return {name: self.new_spec}
+
+        def _update_worker_status(self, op: str, msg: Any) -> None:
+            Cluster._update_worker_status(self, op, msg)
+
+    Attached.__name__ = Attached.__qualname__ = f"Attached{base.__name__}"
+    return Attached
+
+
+# ------------------------------------------------------------------------------------------- dask-jobqueue
+
+
+@uses("dask-jobqueue", "Job._call / Job._submit_job / Job._job_id_from_submit_output")
+def hooked_job(base: type) -> type:
+    """A dask-jobqueue Job class whose batch commands run with `call_options()` (the subclass says: a clean
+    environment, their own session) and whose every submission is reported to `submitted(future, parse)`
+    and finished even if its caller is cancelled (so a job submitted by an interrupted start-up is known and
+    cancelled)."""
+
+    class Hooked(base):  # type: ignore[misc, valid-type]
+        @staticmethod
+        def call_options() -> dict[str, Any]:
+            return {}
+
+        def submitted(self, submission: asyncio.Future[str], parse: Callable[[str], str]) -> None:
+            """Called with each submission under way and the parser of its output into a job id."""
+
+        @classmethod
+        async def _call(cls, cmd: list[str], **kwargs: Any) -> str:
+            return await base._call(cmd, **{**cls.call_options(), **kwargs})
+
+        async def _submit_job(self, script_filename: str) -> str:
+            inner = asyncio.ensure_future(base._submit_job(self, script_filename))
+            self.submitted(inner, self._job_id_from_submit_output)
+            return await asyncio.shield(inner)
+
+    Hooked.__name__ = Hooked.__qualname__ = f"Hooked{base.__name__}"
+    return Hooked
+
+
+# ------------------------------------------------------------------------------------------------ prefect
+
+
+@uses("prefect", "prefect._internal.result_records.ResultRecordMetadata / BaseModel.model_rebuild(_types_namespace)")
+def rebuild_context_models() -> None:
+    """Rebuild Prefect's run-context models once per worker forkserver: `hydrated_context` does it before
+    every task otherwise (a no-op once done), and the first task on each worker pays for it."""
+    from prefect._internal.result_records import ResultRecordMetadata
+    from prefect.context import FlowRunContext, TaskRunContext
+    from prefect.flows import Flow
+    from prefect.tasks import Task
+
+    types = {"Flow": Flow, "Task": Task, "ResultRecordMetadata": ResultRecordMetadata}
+    FlowRunContext.model_rebuild(_types_namespace=types)
+    TaskRunContext.model_rebuild(_types_namespace=types)
+
+
+@uses("prefect", "prefect.context._deployment_id / _deployment_parameters")
+def deployment_context() -> tuple[Any, Any]:
+    """(deployment id, deployment parameters) of the current context: `serialize_context`'s parts."""
+    from prefect.context import _deployment_id, _deployment_parameters
+
+    return _deployment_id.get(), _deployment_parameters.get()
+
+
+def has_deployment_context() -> bool:
+    import prefect.context
+
+    return all(hasattr(prefect.context, n) for n in ("_deployment_id", "_deployment_parameters"))
+
+
+def has_context_vars(*kinds: Any) -> bool:
+    return all(hasattr(kind, "__var__") for kind in kinds)
+
+
+@uses("prefect", "ContextModel.__var__")
+def context_var(kind: Any) -> Any:
+    """The ContextVar behind a Prefect context class (set directly: a cached context is shared)."""
+    return kind.__var__
+
+
+@uses("prefect", "prefect.concurrency.services._no_limits_cache / _cache_lock")
+def stretch_no_tag_limits_cache(ttl: float) -> bool:
+    """Keep Prefect's per-process "no concurrency limits for these tags" answer `ttl` seconds. Fallback
+    where the cache is gone or changed: False, and Prefect's own behaviour."""
+    try:
+        import cachetools
+        from prefect.concurrency import services
+    except ImportError:
+        return False
+    cache = getattr(services, "_no_limits_cache", None)
+    if not in_range("prefect") or not isinstance(cache, cachetools.TTLCache):
+        return False
+    with services._cache_lock:
+        if cache.ttl < ttl:
+            services._no_limits_cache = cachetools.TTLCache(maxsize=cache.maxsize, ttl=ttl)
+    return True
+
+
+# ------------------------------------------------------------------------------------------- prefect-dask
+
+
+@uses("prefect-dask", "DaskTaskRunner._started / _cluster")
+def runner_started(runner: Any) -> bool:
+    """Whether a DaskTaskRunner has entered (its client exists)."""
+    return bool(runner._started)
+
+
+@uses("prefect-dask", "DaskTaskRunner._cluster")
+def runner_has_cluster(runner: Any) -> bool:
+    """Whether a DaskTaskRunner was given a cluster object (rather than an address or a class to start)."""
+    return runner._cluster is not None
+
+
+@uses("prefect-dask", "DaskTaskRunner._optimize_futures")
+def dask_futures(runner: Any, values: Any) -> Any:
+    """`values` with every PrefectDaskFuture replaced by its dask future, as prefect-dask submits them."""
+    return runner._optimize_futures(values)

@@ -1,0 +1,29 @@
+"""Private files and run directories: the I/O every layer above the core shares, written once.
+
+A file that holds an address, a key or a token is written readable by its owner only, and atomically, so
+no reader ever sees half of it. A job's run directory is `<run root>/<job id>/`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write a file readable by its owner only, atomically: no reader ever sees half of it."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def run_root(run_directory: str | Path) -> Path:
+    """A site's `run_directory` as a path here: `~` and variables expanded."""
+    return Path(os.path.expandvars(str(run_directory))).expanduser()
+
+
+def run_dir(run_directory: str | Path, job_id: str) -> Path:
+    """One job's run directory under its site's run root."""
+    return run_root(run_directory) / job_id
