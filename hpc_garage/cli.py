@@ -128,19 +128,19 @@ def show(site_name: str, as_json: bool, as_script: bool, worker_script: bool, co
 
         click.echo(show_pools(site, as_json=as_json, **request))
         return
-    from hpc_garage.core.layout import describe, plan
+    from hpc_garage.core.layout import describe, layout
     from hpc_garage.schedulers import allocation_for
 
-    plan_ = plan(site, allocation_for(site, **request))
+    layout_ = layout(site, allocation_for(site, **request))
     if as_json:  # indented while a person might read it; compact and ~50x faster for thousands of workers
         stdout = click.get_text_stream("stdout")  # not echo: it would scan 8 MB for ANSI codes
-        if plan_.worker_count > SHOW_JSON_INDENT_MAX:
-            stdout.writelines(plan_.json_chunks())
+        if layout_.worker_count > SHOW_JSON_INDENT_MAX:
+            stdout.writelines(layout_.json_chunks())
         else:
-            stdout.write(json.dumps(plan_.to_dict(), indent=2))
+            stdout.write(json.dumps(layout_.to_dict(), indent=2))
         stdout.write("\n")
         return
-    click.echo("\n".join(describe(plan_)))
+    click.echo("\n".join(describe(layout_)))
 
 
 SHOW_JSON_INDENT_MAX = 1024  # workers above which `show --json` prints compact JSON
@@ -199,7 +199,7 @@ def _show_worker_scripts(site_name: str) -> None:
 
 def _submit_prepared(prepared: Any, dry_run: bool, wait: bool) -> None:
     """Print the script (--dry-run), or submit and say where the job and its log are; --wait follows it."""
-    for line in prepared.plan.leftovers:
+    for line in prepared.layout.leftovers:
         click.echo(f"note: unused: {line}", err=True)
     jobqueue = prepared.site.launcher == "jobqueue"
     if dry_run:

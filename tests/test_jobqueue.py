@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from hpc_garage.core.allocation import Allocation
 from hpc_garage.core.errors import SiteError, UserError
-from hpc_garage.launchers.jobqueue.launcher import initial_workers, job_kwargs, run_plan, submit_env, worker_scripts
+from hpc_garage.launchers.jobqueue.launcher import initial_workers, job_kwargs, initial_layout, submit_env, worker_scripts
 from hpc_garage.launchers.jobqueue.worker import job_workers
 from hpc_garage.core.pools import (
     UNTAGGED,
@@ -109,7 +109,7 @@ def test_site_mistakes_are_one_line(change: dict, message: str) -> None:
 def test_one_job_is_a_gpu_slice_with_its_share_of_cores_and_memory() -> None:
     shape = job_shapes(load_site("lab-jobqueue"))["lab-jobqueue"]
     assert (shape.cores, shape.memory, shape.gpus, shape.workers_per_job) == (4, 15 * GIB // 2, 2, 2)
-    assert [w.resources["GPU"] for w in shape.plan.workers] == [1, 1]
+    assert [w.resources["GPU"] for w in shape.layout.workers] == [1, 1]
     assert shape.untagged and not shape.marker  # one pool: Dask places tasks as it always does
     pools = job_shapes(load_site("lab-pools"))
     assert pools["cpu"].marker and pools["cpu"].worker_resources[0][UNTAGGED] > 1000
@@ -120,8 +120,8 @@ def test_worker_names_are_what_speccluster_expects_for_a_job() -> None:
     assert worker_names("gpu-3", 2) == ["gpu-3-0", "gpu-3-1"]
     assert worker_names("cpu-0", 1) == ["cpu-0"]
     assert initial_workers(load_site("lab-pools")) == ["gpu-0-0", "gpu-0-1", "cpu-0"]
-    plan_, _ = run_plan(load_site("lab-pools"))
-    assert [w.name for w in plan_.workers] == ["gpu-0-0", "gpu-0-1", "cpu-0"]
+    layout_, _ = initial_layout(load_site("lab-pools"))
+    assert [w.name for w in layout_.workers] == ["gpu-0-0", "gpu-0-1", "cpu-0"]
 
 
 def test_lifetime_ends_before_the_walltime_with_room_for_the_stagger() -> None:
@@ -201,7 +201,7 @@ def test_slurm_worker_script_asks_for_the_gpus_cores_and_exact_memory_of_one_job
     command = text.splitlines()[-1]
     assert f"{PY} -m hpc_garage.launchers.jobqueue.worker tls://" in command
     assert "--name lab-jobqueue-0 --nthreads 2 --memory-limit 3.50GiB" in command
-    assert "--hpc-garage-plan /runs/RUN_ID/jobqueue-lab-jobqueue.json" in command and "--tls-key" in command
+    assert "--hpc-garage-worker-file /runs/RUN_ID/jobqueue-lab-jobqueue.json" in command and "--tls-key" in command
     pools = worker_scripts(load_site("lab-pools"), run_root=Path("/runs"))
     cpu = pools.split("pool cpu")[1]
     assert "#SBATCH -p cpu" in cpu and "--gres" not in cpu and "#SBATCH --mem=8192M" in cpu

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from hpc_garage.core.allocation import Allocation, NodeAllocation
 from hpc_garage.core.errors import LayoutError
-from hpc_garage.core.layout import layout, pin_gpus, plan
+from hpc_garage.core.layout import pin_gpus, layout
 from hpc_garage.core.site import Site, parse_site_dict
 
 GIB = 2**30
@@ -37,7 +37,7 @@ def alloc(nodes: int = 1, cores: int = 32, memory: int = 256 * GIB, gpus: tuple[
 @pytest.mark.parametrize("ngpus", [1, 2, 3, 4, 8])
 def test_one_worker_per_gpu(ngpus: int) -> None:
     ids = tuple(str(i) for i in range(ngpus))
-    workers = layout(site(gpus=8, cores=48), alloc(cores=48, gpus=ids))
+    workers = layout(site(gpus=8, cores=48), alloc(cores=48, gpus=ids)).workers
     assert len(workers) == ngpus
     assert [w.env["CUDA_VISIBLE_DEVICES"] for w in workers] == list(ids)
     assert all(w.resources["GPU"] == 1 and w.resources["CPU"] == 48 // ngpus for w in workers)
@@ -45,7 +45,7 @@ def test_one_worker_per_gpu(ngpus: int) -> None:
 
 
 def test_the_issue_example_numbers() -> None:
-    workers = layout(site(reserve_memory="16GiB", threads=2), alloc())
+    workers = layout(site(reserve_memory="16GiB", threads=2), alloc()).workers
     w = workers[0]
     assert w.resources == {"GPU": 1, "CPU": 8, "MEMORY": 60 * GIB, "PROCESS": 1}
     assert w.nthreads == 2 and w.memory_limit == 60 * GIB
@@ -53,7 +53,7 @@ def test_the_issue_example_numbers() -> None:
 
 
 def test_many_nodes_each_pinned_to_its_own_gpus() -> None:
-    workers = layout(site(), alloc(nodes=3))
+    workers = layout(site(), alloc(nodes=3)).workers
     assert len(workers) == 12
     assert Counter(w.node for w in workers) == {0: 4, 1: 4, 2: 4}
     assert [w.host for w in workers[:4]] == ["h0"] * 4
@@ -61,53 +61,53 @@ def test_many_nodes_each_pinned_to_its_own_gpus() -> None:
 
 
 def test_uneven_cores_are_reported_not_lost() -> None:
-    p = plan(site(cores=30), alloc(cores=30))
+    p = layout(site(cores=30), alloc(cores=30))
     assert all(w.resources["CPU"] == 7 for w in p.workers)
     assert any("2 of 30 cores unused" in x for x in p.leftovers)
 
 
 def test_cpu_only_site_one_worker_per_node() -> None:
-    workers = layout(site(per="node", gpus=0), alloc(nodes=2, gpus=()))
+    workers = layout(site(per="node", gpus=0), alloc(nodes=2, gpus=())).workers
     assert len(workers) == 2
     assert "GPU" not in workers[0].resources and "CUDA_VISIBLE_DEVICES" not in workers[0].env
     assert workers[0].resources["CPU"] == 32 and workers[0].nthreads == 32
 
 
 def test_processes_per_node_split_gpus_and_hide_them_from_workers_without() -> None:
-    p = plan(site(per="process", processes=3), alloc(cores=32, gpus=("0", "1")))
+    p = layout(site(per="process", processes=3), alloc(cores=32, gpus=("0", "1")))
     assert [w.env["CUDA_VISIBLE_DEVICES"] for w in p.workers] == ["", "", ""]
     assert any("2 of 2 GPUs unused" in x for x in p.leftovers)
-    p2 = plan(site(per="process", processes=2), alloc(cores=32))
+    p2 = layout(site(per="process", processes=2), alloc(cores=32))
     assert [w.env["CUDA_VISIBLE_DEVICES"] for w in p2.workers] == ["0,1", "2,3"]
     assert [w.resources["GPU"] for w in p2.workers] == [2, 2]
 
 
 def test_memory_reserve_comes_off_before_the_split() -> None:
-    workers = layout(site(reserve_memory="16GiB"), alloc())
+    workers = layout(site(reserve_memory="16GiB"), alloc()).workers
     assert sum(w.memory_limit for w in workers) == 240 * GIB
 
 
 def test_uuid_and_mig_ids_pinned_verbatim() -> None:
     ids = ("GPU-aa", "MIG-bb", "GPU-cc", "GPU-dd")
-    workers = layout(site(), alloc(gpus=ids))
+    workers = layout(site(), alloc(gpus=ids)).workers
     assert [w.env["CUDA_VISIBLE_DEVICES"] for w in workers] == list(ids)
 
 
 def test_job_visible_ids_not_global_ones() -> None:
     # a job whose CUDA_VISIBLE_DEVICES is 2,3 pins to 2 and 3
-    workers = layout(site(gpus=4), alloc(gpus=("2", "3")))
+    workers = layout(site(gpus=4), alloc(gpus=("2", "3"))).workers
     assert [w.env["CUDA_VISIBLE_DEVICES"] for w in workers] == ["2", "3"]
 
 
 def test_amd_sites_also_pin_rocr() -> None:
     s = parse_site_dict({"name": "amd", "scheduler": "slurm", "workers": {"per": "gpu"},
                          "node": {"cores": 64, "memory": "512GiB", "gpus": 8, "gpu_vendor": "amd"}})
-    w = layout(s, alloc(cores=64, memory=512 * GIB, gpus=tuple(map(str, range(8)))))[5]
+    w = layout(s, alloc(cores=64, memory=512 * GIB, gpus=tuple(map(str, range(8))))).workers[5]
     assert w.env["ROCR_VISIBLE_DEVICES"] == w.env["CUDA_VISIBLE_DEVICES"] == "5"
 
 
 def test_pin_gpus_maps_slots_onto_the_nodes_own_ids() -> None:
-    w = layout(site(), alloc(gpus=("0", "1")))[1]
+    w = layout(site(), alloc(gpus=("0", "1"))).workers[1]
     assert pin_gpus(w, ["2", "3"], ("CUDA_VISIBLE_DEVICES",)) == {"CUDA_VISIBLE_DEVICES": "3"}
     with pytest.raises(LayoutError, match="slot 1"):
         pin_gpus(w, ["0"], ("CUDA_VISIBLE_DEVICES",))
@@ -124,7 +124,7 @@ def test_pin_gpus_maps_slots_onto_the_nodes_own_ids() -> None:
 )
 def test_refusals_say_why(s: Site, a: Allocation, message: str) -> None:
     with pytest.raises(LayoutError, match=message):
-        layout(s, a)
+        layout(s, a).workers
 
 
 # ------------------------------------------------------------------------------------------ properties
@@ -152,7 +152,7 @@ def cases(draw: st.DrawFn) -> tuple[Site, Allocation]:
 @given(cases())
 def test_invariants(case: tuple[Site, Allocation]) -> None:
     s, a = case
-    workers = layout(s, a)
+    workers = layout(s, a).workers
     for index, node in enumerate(a.nodes):
         mine = [w for w in workers if w.node == index]
         assert sum(w.resources["CPU"] for w in mine) <= node.cores
@@ -177,10 +177,10 @@ def test_to_json_is_the_compact_json_of_to_dict(case: tuple[Site, Allocation], j
                                                 hosts: list[str | None]) -> None:
     s, a = case
     a = replace(a, job_id=job_id, nodes=tuple(replace(n, host=h) for n, h in zip(a.nodes, hosts)))
-    p = plan(s, a)
+    p = layout(s, a)
     assert p.to_json() == json.dumps(p.to_dict(), separators=(",", ":"))
     assert p.worker_count == len(p.workers)
-    fewer = replace(p, workers=p.workers[1:])  # a Plan given its workers encodes those
+    fewer = replace(p, workers=p.workers[1:])  # a Layout given its workers encodes those
     assert fewer.to_json() == json.dumps(fewer.to_dict(), separators=(",", ":"))
     assert fewer.worker_count == len(fewer.workers)
 
@@ -189,7 +189,7 @@ def test_nodes_of_different_shapes_in_one_plan() -> None:
     four, two = ("0", "1", "2", "3"), ("0", "1")
     a = Allocation(nodes=(NodeAllocation(32, 256 * GIB, four, "a"), NodeAllocation(32, 256 * GIB, two, "b"),
                           NodeAllocation(32, 256 * GIB, four, "c")), job_id="9")
-    p = plan(site(), a)
+    p = layout(site(), a)
     assert [w.name for w in p.workers] == ["9-n0-gpu0", "9-n0-gpu1", "9-n0-gpu2", "9-n0-gpu3", "9-n1-gpu0",
                                            "9-n1-gpu1", "9-n2-gpu0", "9-n2-gpu1", "9-n2-gpu2", "9-n2-gpu3"]
     assert [w.host for w in p.workers] == ["a"] * 4 + ["b"] * 2 + ["c"] * 4
@@ -198,6 +198,6 @@ def test_nodes_of_different_shapes_in_one_plan() -> None:
 
 
 def test_workers_are_built_once_and_are_a_list() -> None:
-    p = plan(site(), alloc(nodes=2))
+    p = layout(site(), alloc(nodes=2))
     assert isinstance(p.workers, list) and p.workers is p.workers and len(p.workers) == 8
-    assert p == plan(site(), alloc(nodes=2))
+    assert p == layout(site(), alloc(nodes=2))

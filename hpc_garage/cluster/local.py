@@ -1,6 +1,6 @@
 """A login-node cluster without `hpc-garage run`: what `task_runner()` starts when no job handed it one.
 
-A SpecCluster whose workers are one node of the site, fitted to this machine (`launchers.local.local_plan`),
+A SpecCluster whose workers are one node of the site, fitted to this machine (`launchers.local.local_layout`),
 and whose scheduler places resource tasks as every cluster hpc-garage starts does (`cluster.placement`).
 prefect-dask builds it from its dotted name (`cluster_class`), so importing this module stays cheap until
 `LocalSiteCluster` is first asked for.
@@ -13,7 +13,7 @@ from typing import Any
 
 from hpc_garage.core.site import Site
 from hpc_garage.launchers.common import local_directory
-from hpc_garage.launchers.local import local_plan, worker_specs
+from hpc_garage.launchers.local import local_layout, worker_specs
 
 
 def cluster_specs(workers: list[Any], *, security: Any = None, env: dict[str, str] | None = None,
@@ -42,8 +42,8 @@ def _spec_cluster_class() -> type:
                      env: dict[str, str] | None = None, **kwargs: Any) -> None:
             if not isinstance(site, Site):
                 site = load_site(site or os.environ.get("HPC_GARAGE_SITE") or "local")
-            self.site_plan, self.notes = local_plan(site)  # SpecCluster already has a `plan`
-            scheduler, workers = cluster_specs(self.site_plan.workers, security=security, env=env,
+            self.site_layout, self.notes = local_layout(site)  # SpecCluster already has a `plan`
+            scheduler, workers = cluster_specs(self.site_layout.workers, security=security, env=env,
                                                local_directory=local_directory(site.local_directory))
             super().__init__(workers=workers, scheduler=scheduler, security=security,
                              name=f"hpc-garage-{site.name}", **kwargs)

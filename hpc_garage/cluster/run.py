@@ -30,7 +30,7 @@ from hpc_garage.cluster.handoff import (JOB_ID_ENV, RUN_DIR_ENV, SCHEDULER_FILE_
 from hpc_garage.files import write_private
 from hpc_garage.launchers.common import (Launcher, end_process, listening_host, scheduler_preload,
                                         security_from)
-from hpc_garage.core.layout import Plan, plan
+from hpc_garage.core.layout import Layout, layout
 from hpc_garage.core.site import Site
 
 SITE_ENV = "HPC_GARAGE_SITE"
@@ -73,24 +73,24 @@ def run(site: Site, command: list[str], *, insecure: bool = False, timeout: floa
     if shutil.which(command[0], path=env.get("PATH")) is None and not os.path.exists(command[0]):
         raise UserError(f"{command[0]!r}: command not found; check the command after --")
     if site.launcher == "jobqueue":
-        from hpc_garage.launchers.jobqueue.launcher import JobqueueLauncher, run_plan
+        from hpc_garage.launchers.jobqueue.launcher import JobqueueLauncher, initial_layout
 
         job_id = batch_job_id(env) or f"local-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-        plan_, notes = run_plan(site)
+        layout_, notes = initial_layout(site)
         launcher = JobqueueLauncher(site, job_id)
     elif site.scheduler != "local" and in_batch_job(env):
         allocation = allocation_from_env(site, env)
-        plan_ = plan(site, allocation)
+        layout_ = layout(site, allocation)
         from hpc_garage.launchers.mpi import MpiLauncher
 
-        launcher: Launcher = MpiLauncher(plan_, env)
+        launcher: Launcher = MpiLauncher(layout_, env)
         job_id = str(allocation.job_id)
-        notes = list(allocation.notes) + [f"unused: {x}" for x in plan_.leftovers]
+        notes = list(allocation.notes) + [f"unused: {x}" for x in layout_.leftovers]
     else:
-        from hpc_garage.launchers.local import LocalLauncher, local_plan
+        from hpc_garage.launchers.local import LocalLauncher, local_layout
 
-        plan_, notes = local_plan(site)
-        launcher = LocalLauncher(plan_)
+        layout_, notes = local_layout(site)
+        launcher = LocalLauncher(layout_)
         job_id = f"local-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         notes = [f"no batch job here: a local cluster shaped like one {site.name} node"] + notes
     for note in notes:
@@ -99,18 +99,18 @@ def run(site: Site, command: list[str], *, insecure: bool = False, timeout: floa
         say("--insecure: the cluster speaks plain tcp; anyone who can reach its ports can run code in it")
     rundir = RunDir.for_job(site.run_directory, job_id).create()
     try:
-        return asyncio.run(_serve(site, plan_, launcher, rundir, job_id, command, env, insecure, timeout, api))
+        return asyncio.run(_serve(site, layout_, launcher, rundir, job_id, command, env, insecure, timeout, api))
     finally:
         launcher.abandon()
 
 
-async def _serve(site: Site, plan_: Plan, launcher: Launcher, rundir: RunDir, job_id: str,
+async def _serve(site: Site, layout_: Layout, launcher: Launcher, rundir: RunDir, job_id: str,
                  command: list[str], env: dict[str, str], insecure: bool, timeout: float,
                  api: ApiForHost | None) -> int:
     """Start COMMAND, the workers and the scheduler at once (their imports overlap), publish the scheduler
     file once every worker has registered (COMMAND's task runner waits for it), end when COMMAND does."""
     logging.getLogger("distributed").setLevel(env["DASK_LOGGING__DISTRIBUTED"].upper())
-    expected = [w.name for w in plan_.workers]
+    expected = [w.name for w in layout_.workers]
     state = RunState(rundir, len(expected))
     state("starting", workers=0, job_id=job_id, site=site.name)
     started = time.monotonic()

@@ -48,26 +48,26 @@ class WorkerSpec:
 
 
 class _Workers:
-    """`Plan.workers`, a list of WorkerSpec; the list plan() gives is built on first use.
+    """`Layout.workers`, a list of WorkerSpec; the list layout() gives is built on first use.
 
     `show --json` of 4,096 nodes x 8 GPUs never needs 32,768 WorkerSpec objects (to_json works per shape of
-    node), and building them is most of the cost. Anything that reads `plan.workers` gets the real list.
+    node), and building them is most of the cost. Anything that reads `layout_.workers` gets the real list.
     """
 
-    def __get__(self, plan_: Plan | None, owner: type | None = None) -> list[WorkerSpec]:
-        if plan_ is None:
+    def __get__(self, layout_: Layout | None, owner: type | None = None) -> list[WorkerSpec]:
+        if layout_ is None:
             raise AttributeError("workers")  # to dataclasses: a required field
-        workers = plan_.__dict__["workers"]
+        workers = layout_.__dict__["workers"]
         if isinstance(workers, _PerNode):
-            workers = plan_.__dict__["workers"] = workers.build()
+            workers = layout_.__dict__["workers"] = workers.build()
         return workers
 
-    def __set__(self, plan_: Plan, workers: list[WorkerSpec] | _PerNode) -> None:
-        plan_.__dict__["workers"] = workers
+    def __set__(self, layout_: Layout, workers: list[WorkerSpec] | _PerNode) -> None:
+        layout_.__dict__["workers"] = workers
 
 
 @dataclass(frozen=True)
-class Plan:
+class Layout:
     """The workers, and what of each node no worker got (cores, memory, GPUs that did not divide evenly)."""
 
     site: Site
@@ -132,7 +132,7 @@ class _NodeWorkers:
 
 
 class _PerNode:
-    """The workers plan() laid out, as one _NodeWorkers per node (nodes of one shape share it)."""
+    """The workers layout() laid out, as one _NodeWorkers per node (nodes of one shape share it)."""
 
     def __init__(self, allocation: Allocation, nodes: list[_NodeWorkers]) -> None:
         self.allocation, self.nodes = allocation, nodes
@@ -165,12 +165,7 @@ class _PerNode:
         yield "[]" if separator == "[" else "]"
 
 
-def layout(site: Site, allocation: Allocation) -> list[WorkerSpec]:
-    """The worker processes to start for this site and allocation."""
-    return plan(site, allocation).workers
-
-
-def plan(site: Site, allocation: Allocation) -> Plan:
+def layout(site: Site, allocation: Allocation) -> Layout:
     """Lay out every node; nodes of the same shape are computed once (a 4,096-node request has one shape)."""
     leftovers: list[str] = []
     shapes: dict[tuple[int, int, tuple[str, ...]], tuple[_NodeWorkers, list[str]]] = {}
@@ -183,7 +178,7 @@ def plan(site: Site, allocation: Allocation) -> Plan:
         if shape[1]:
             here = f"node {index}" + (f" ({node.host})" if node.host else "")
             leftovers += [f"{here}: {text}" for text in shape[1]]
-    return Plan(site=site, allocation=allocation, workers=_PerNode(allocation, per_node), leftovers=leftovers)
+    return Layout(site=site, allocation=allocation, workers=_PerNode(allocation, per_node), leftovers=leftovers)
 
 
 def _layout_node(site: Site, index: int, node: NodeAllocation) -> tuple[_NodeWorkers, list[str]]:
@@ -260,31 +255,31 @@ def pin_gpus(spec: WorkerSpec, node_gpus: list[str] | tuple[str, ...], env_vars:
     return {var: ids for var in env_vars}
 
 
-def describe(plan_: Plan) -> list[str]:
+def describe(layout_: Layout) -> list[str]:
     """The resource math as a person reads it: one line per run of nodes laid out alike."""
-    lines = [f"site {plan_.site.name} ({plan_.site.scheduler}, {plan_.site.launcher} launcher)",
-             plan_.allocation.describe()]
+    lines = [f"site {layout_.site.name} ({layout_.site.scheduler}, {layout_.site.launcher} launcher)",
+             layout_.allocation.describe()]
     by_node: dict[int, list[WorkerSpec]] = {}
-    for w in plan_.workers:
+    for w in layout_.workers:
         by_node.setdefault(w.node, []).append(w)
     runs: list[tuple[list[int], str]] = []
-    for index in range(len(plan_.allocation.nodes)):
-        text = _node_line(plan_.allocation.nodes[index], by_node[index])
+    for index in range(len(layout_.allocation.nodes)):
+        text = _node_line(layout_.allocation.nodes[index], by_node[index])
         if runs and runs[-1][1] == text and runs[-1][0][-1] == index - 1:
             runs[-1][0].append(index)
         else:
             runs.append(([index], text))
     for indices, text in runs:
-        hosts = [plan_.allocation.nodes[i].host for i in indices]
+        hosts = [layout_.allocation.nodes[i].host for i in indices]
         label = f"node {indices[0]}" if len(indices) == 1 else f"nodes {indices[0]}-{indices[-1]}"
         if hosts[0]:
             label += f" ({hosts[0]})" if len(hosts) == 1 else f" ({hosts[0]}..{hosts[-1]})"
         lines.append(f"{label}: {text}")
-    lines += [f"note: {n}" for n in plan_.allocation.notes]
-    lines += [f"unused: {x}" for x in plan_.leftovers]
-    total_gpu = sum(w.resources.get("GPU", 0) for w in plan_.workers)
-    lines.append(f"total: {len(plan_.workers)} workers, {_number(total_gpu)} GPUs, "
-                 f"{_number(sum(w.resources['CPU'] for w in plan_.workers))} CPUs")
+    lines += [f"note: {n}" for n in layout_.allocation.notes]
+    lines += [f"unused: {x}" for x in layout_.leftovers]
+    total_gpu = sum(w.resources.get("GPU", 0) for w in layout_.workers)
+    lines.append(f"total: {len(layout_.workers)} workers, {_number(total_gpu)} GPUs, "
+                 f"{_number(sum(w.resources['CPU'] for w in layout_.workers))} CPUs")
     return lines
 
 

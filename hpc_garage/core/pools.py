@@ -20,7 +20,7 @@ from functools import cached_property
 from typing import Any
 
 from hpc_garage.core.allocation import Allocation
-from hpc_garage.core.layout import Plan, WorkerSpec, describe, plan
+from hpc_garage.core.layout import Layout, WorkerSpec, describe, layout
 from hpc_garage.core.site import Site
 from hpc_garage.core.units import format_bytes, format_walltime
 
@@ -38,13 +38,13 @@ class JobShape:
 
     pool: str
     site: Site  # the pool's full site
-    plan: Plan  # the workers of one job (names n0-…; the job names them `<job>-<k>`)
+    layout: Layout  # the workers of one job (names n0-…; the job names them `<job>-<k>`)
     untagged: bool  # this pool's workers take tasks without resource tags
     marker: bool  # the site uses the UNTAGGED marker (some pool refuses untagged tasks)
 
     @property
     def node(self) -> Any:
-        return self.plan.allocation.nodes[0]
+        return self.layout.allocation.nodes[0]
 
     @property
     def cores(self) -> int:
@@ -60,17 +60,17 @@ class JobShape:
 
     @property
     def workers_per_job(self) -> int:
-        return len(self.plan.workers)
+        return len(self.layout.workers)
 
     @cached_property
     def worker_resources(self) -> list[dict[str, float]]:
         """What each worker of a job advertises, marker included (read per queued task by the scaling step,
         every second: computed once)."""
-        return [advertised(w.resources, untagged=self.untagged, marker=self.marker) for w in self.plan.workers]
+        return [advertised(w.resources, untagged=self.untagged, marker=self.marker) for w in self.layout.workers]
 
     @property
     def walltime(self) -> int:
-        return int(self.plan.allocation.walltime or self.site.walltime)
+        return int(self.layout.allocation.walltime or self.site.walltime)
 
 
 def job_shapes(site: Site) -> dict[str, JobShape]:
@@ -88,7 +88,7 @@ def job_shape(pool: str, site: Site, *, untagged: bool = True, marker: bool = Fa
         site, nodes=1, gpus_per_node=jq.gpus_per_job, cores_per_node=jq.cores_per_job,
         memory=jq.memory_per_job, walltime=site.walltime,
     )
-    return JobShape(pool=pool, site=site, plan=plan(site, allocation), untagged=untagged, marker=marker)
+    return JobShape(pool=pool, site=site, layout=layout(site, allocation), untagged=untagged, marker=marker)
 
 
 def pool_offers(shapes: Mapping[str, JobShape]) -> list[dict[str, float]]:
@@ -162,9 +162,9 @@ def choose_pool(restrictions: Mapping[str, float] | None, shapes: Sequence[JobSh
 
 def task_weight(restrictions: Mapping[str, float] | None, shape: JobShape) -> float:
     """The share of one worker a task takes while it runs: 1/k when k such tasks run on a worker at once."""
-    worker = max(shape.plan.workers, key=lambda w: w.nthreads)
+    worker = max(shape.layout.workers, key=lambda w: w.nthreads)
     slots = float(worker.nthreads)
-    resources = shape.worker_resources[shape.plan.workers.index(worker)]
+    resources = shape.worker_resources[shape.layout.workers.index(worker)]
     for name, amount in (restrictions or {}).items():
         if amount > 0 and name != UNTAGGED:
             slots = min(slots, math.floor(resources.get(name, 0) / amount))
@@ -249,7 +249,7 @@ def describe_site(site: Site) -> list[str]:
         lines.append(f"pool {shape.pool}: queue {shape.site.queue or '(default)'}, {scaling}, {takes}, "
                      f"walltime {format_walltime(shape.walltime)}, workers retire after "
                      f"{format_walltime(life)} ± {stagger} s")
-        body = describe(replace(shape.plan, workers=_resourced(shape)))[1:]  # the site line is said above
+        body = describe(replace(shape.layout, workers=_resourced(shape)))[1:]  # the site line is said above
         lines += ["  " + line.replace("request: 1 node(s)", "one worker job: 1 node") for line in body
                   if not line.startswith("total:")]
     return lines
@@ -291,7 +291,7 @@ def to_dict(site: Site) -> dict[str, Any]:
                         "walltime": shape.walltime},
                 "lifetime": dict(zip(("lifetime", "stagger"), lifetime(shape.site))),
                 "workers": [w.to_dict() for w in _resourced(shape)],
-                "leftovers": shape.plan.leftovers,
+                "leftovers": shape.layout.leftovers,
             }
             for name, shape in job_shapes(site).items()
         },
@@ -299,4 +299,4 @@ def to_dict(site: Site) -> dict[str, Any]:
 
 
 def _resourced(shape: JobShape) -> list[WorkerSpec]:
-    return [replace(w, resources=r) for w, r in zip(shape.plan.workers, shape.worker_resources)]
+    return [replace(w, resources=r) for w, r in zip(shape.layout.workers, shape.worker_resources)]

@@ -136,7 +136,7 @@ def start_worker_forkserver(env: Mapping[str, str], preload: list[str]) -> None:
 
 
 class Launcher:
-    """Starts a plan's workers against a running scheduler, says if they died, and stops them."""
+    """Starts a layout's workers against a running scheduler, says if they died, and stops them."""
 
     scheduler_host: dict[str, Any] = {"host": "127.0.0.1"}  # Scheduler(...) keywords: where it listens
     command_env: dict[str, str] = {}  # exported to COMMAND besides the scheduler file

@@ -17,7 +17,7 @@ from typing import Any
 from hpc_garage.core.allocation import Allocation
 from hpc_garage.launchers.common import (Launcher, forkserver_env, local_directory, security_from,
                                         start_worker_forkserver, worker_options, worker_preload)
-from hpc_garage.core.layout import Plan, WorkerSpec, plan
+from hpc_garage.core.layout import Layout, WorkerSpec, layout
 from hpc_garage.core.site import Site
 
 
@@ -35,14 +35,14 @@ def machine_shape() -> tuple[int, int]:
     return cores, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def local_plan(site: Site, cores: int | None = None, memory: int | None = None,
-               gpus: list[str] | None = None) -> tuple[Plan, list[str]]:
-    """One node of the site, fitted to this machine. Returns the plan and what was scaled, in words."""
+def local_layout(site: Site, cores: int | None = None, memory: int | None = None,
+               gpus: list[str] | None = None) -> tuple[Layout, list[str]]:
+    """One node of the site, fitted to this machine. Returns the layout and what was scaled, in words."""
     have_cores, have_memory = machine_shape()
     cores = have_cores if cores is None else cores
     memory = have_memory if memory is None else memory
     gpus = machine_gpus() if gpus is None else gpus
-    shaped = plan(site, Allocation.from_request(site, nodes=1))
+    shaped = layout(site, Allocation.from_request(site, nodes=1))
     workers = shaped.workers
     notes = []
     share_threads = max(1, cores // len(workers))
@@ -83,20 +83,20 @@ def worker_specs(workers: list[WorkerSpec], *, security: Any = None, env: dict[s
 class LocalLauncher(Launcher):
     """Workers as Nannies of this process, on loopback: `hpc-garage run` outside a batch job."""
 
-    def __init__(self, plan_: Plan) -> None:
-        self.plan = plan_
+    def __init__(self, layout_: Layout) -> None:
+        self.layout = layout_
         self.nannies: list[Any] = []
 
     async def prepare(self, tls: dict[str, str] | None, worker_env: dict[str, str], rundir: Any,
                       timeout: float) -> None:
-        start_worker_forkserver(forkserver_env(worker_env, self.plan.workers), worker_preload(os.environ))
+        start_worker_forkserver(forkserver_env(worker_env, self.layout.workers), worker_preload(os.environ))
 
     async def start(self, address: str, tls: dict[str, str] | None, worker_env: dict[str, str],
                     rundir: Any) -> None:
         from distributed import Nanny
 
-        specs = worker_specs(self.plan.workers, security=security_from(tls), env=worker_env,
-                             local_directory=local_directory(self.plan.site.local_directory))
+        specs = worker_specs(self.layout.workers, security=security_from(tls), env=worker_env,
+                             local_directory=local_directory(self.layout.site.local_directory))
         self.nannies = [Nanny(address, **spec["options"]) for spec in specs.values()]
         await asyncio.gather(*(n.start() for n in self.nannies))
 

@@ -31,7 +31,7 @@ from typing import Any
 from hpc_garage.core.errors import UserError
 from hpc_garage.launchers.common import (Launcher, end_process, forkserver_env, local_directory, node_gpus, run_entry,
                                         security_from, start_worker_forkserver, worker_options, worker_preload)
-from hpc_garage.core.layout import Plan, WorkerSpec, pin_gpus
+from hpc_garage.core.layout import Layout, WorkerSpec, pin_gpus
 from hpc_garage.schedulers import get, node_name, node_rank
 
 RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "PALS_RANKID")  # after the batch system's own
@@ -45,14 +45,14 @@ class RankLaunch:
     env: dict[str, str]
 
 
-def rank_command(plan_: Plan, rank_argv: list[str], *, in_slurm: bool, nodefile: str | None) -> RankLaunch:
+def rank_command(layout_: Layout, rank_argv: list[str], *, in_slurm: bool, nodefile: str | None) -> RankLaunch:
     """The launch command for one process per node: pure, so each launcher's spelling is easy to test."""
-    mpi = plan_.site.mpi
-    nodes = len(plan_.allocation.nodes)
+    mpi = layout_.site.mpi
+    nodes = len(layout_.allocation.nodes)
     launch = mpi.launch if mpi.launch != "auto" else ("srun" if in_slurm else "mpiexec")
     env: dict[str, str] = {}
     if launch == "srun":
-        per_node = [sum(w.resources.get("CPU", w.nthreads) for w in plan_.workers if w.node == i) for i in range(nodes)]
+        per_node = [sum(w.resources.get("CPU", w.nthreads) for w in layout_.workers if w.node == i) for i in range(nodes)]
         cores = max(1, int(min(per_node)))
         argv = ["srun", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1",
                 f"--cpus-per-task={cores}", "--kill-on-bad-exit=1", *mpi.srun_args, *rank_argv]
@@ -68,7 +68,7 @@ def rank_command(plan_: Plan, rank_argv: list[str], *, in_slurm: bool, nodefile:
     return RankLaunch([*argv, *mpi.mpiexec_args, *rank_argv], env)
 
 
-def write_rank_plan(path: Path, plan_: Plan, *, scheduler_file: Path, tls: dict[str, str] | None,
+def write_rank_file(path: Path, layout_: Layout, *, scheduler_file: Path, tls: dict[str, str] | None,
                     worker_env: dict[str, str], timeout: float, preload: list[str]) -> None:
     """Everything a node process needs, in one private file (a command line would show it to `ps`).
 
@@ -83,11 +83,11 @@ def write_rank_plan(path: Path, plan_: Plan, *, scheduler_file: Path, tls: dict[
         "tls": tls,
         "env": worker_env,
         "preload": preload,
-        "interface": plan_.site.interface,
-        "local_directory": plan_.site.local_directory,  # expanded on each node: $TMPDIR differs there
-        "gpu_env_vars": list(plan_.site.gpu_env_vars),
-        "hosts": [n.host for n in plan_.allocation.nodes],
-        "workers": [w.to_dict() for w in plan_.workers],
+        "interface": layout_.site.interface,
+        "local_directory": layout_.site.local_directory,  # expanded on each node: $TMPDIR differs there
+        "gpu_env_vars": list(layout_.site.gpu_env_vars),
+        "hosts": [n.host for n in layout_.allocation.nodes],
+        "workers": [w.to_dict() for w in layout_.workers],
     }
     write_private(path, json.dumps(data))
 
@@ -167,29 +167,29 @@ async def _scheduler_address(path: Path, timeout: float) -> str:
 
 
 class MpiLauncher(Launcher):
-    """The driver side, inside `hpc-garage run` on the job's first node: writes the rank plan, starts ranks."""
+    """The driver side, inside `hpc-garage run` on the job's first node: writes the rank file, starts the node processes."""
 
-    def __init__(self, plan_: Plan, env: Mapping[str, str]) -> None:
-        self.plan = plan_
+    def __init__(self, layout_: Layout, env: Mapping[str, str]) -> None:
+        self.layout = layout_
         self.env = dict(env)
         self.proc: asyncio.subprocess.Process | None = None
         self.launch: RankLaunch | None = None
-        iface = plan_.site.interface
+        iface = layout_.site.interface
         self.scheduler_host = {"interface": iface} if iface else {"host": None}
 
     async def prepare(self, tls: dict[str, str] | None, worker_env: dict[str, str], rundir: Any,
                       timeout: float) -> None:
         """Start the node processes now; they wait for the scheduler's address while it starts."""
         ranks_file = rundir.path / "ranks.json"
-        write_rank_plan(ranks_file, self.plan, scheduler_file=rundir.dask_scheduler_file, tls=tls,
+        write_rank_file(ranks_file, self.layout, scheduler_file=rundir.dask_scheduler_file, tls=tls,
                         worker_env=worker_env, timeout=timeout, preload=worker_preload(self.env))
-        nodefile = get(self.plan.allocation.source).nodefile(self.env) if self.plan.allocation.source == "pbs" \
+        nodefile = get(self.layout.allocation.source).nodefile(self.env) if self.layout.allocation.source == "pbs" \
             else None
-        python = self.plan.site.python or sys.executable
-        self.launch = rank_command(self.plan, [python, "-m", "hpc_garage.launchers.mpi", str(ranks_file)],
-                                   in_slurm=self.plan.allocation.source == "slurm", nodefile=nodefile)
+        python = self.layout.site.python or sys.executable
+        self.launch = rank_command(self.layout, [python, "-m", "hpc_garage.launchers.mpi", str(ranks_file)],
+                                   in_slurm=self.layout.allocation.source == "slurm", nodefile=nodefile)
         print(f"hpc-garage: starting ranks: {shlex.join(self.launch.argv)}", file=sys.stderr, flush=True)
-        env = {**self.env, **self.plan.site.env, **self.launch.env}
+        env = {**self.env, **self.layout.site.env, **self.launch.env}
         try:
             self.proc = await asyncio.create_subprocess_exec(*self.launch.argv, env=env, start_new_session=True)
         except FileNotFoundError:

@@ -20,7 +20,7 @@ from typing import Any
 from hpc_garage import __version__
 from hpc_garage.core.allocation import Allocation
 from hpc_garage.core.errors import UserError
-from hpc_garage.core.layout import Plan, plan
+from hpc_garage.core.layout import Layout, layout
 from hpc_garage.core.site import Site
 from hpc_garage.sites.files import packaged_dir
 
@@ -107,8 +107,8 @@ def job_spec(
     job_name: str | None = None,
     gpu_type: str | None = None,
     extra_directives: Sequence[str] = (),
-) -> tuple[JobSpec, Plan]:
-    """Check a request against the site (limits, layout) and resolve it into a JobSpec, with its plan.
+) -> tuple[JobSpec, Layout]:
+    """Check a request against the site (limits, layout) and resolve it into a JobSpec, with its layout.
 
     `cores_per_worker` is sbatch's `-c` (a task is a worker): the node's cores become c × workers per node.
     A jobqueue site's job is its driver (see `driver_job_spec`).
@@ -128,8 +128,8 @@ def job_spec(
     allocation = Allocation.from_request(
         site, nodes=nodes, gpus_per_node=gpus_per_node, cores_per_node=cores_per_node, memory=memory, walltime=walltime
     )
-    plan_ = plan(site, allocation)
-    first = [w for w in plan_.workers if w.node == 0]
+    layout_ = layout(site, allocation)
+    first = [w for w in layout_.workers if w.node == 0]
     site_gpu_type = site.node.gpu_type
     if gpu_type and site_gpu_type and gpu_type != site_gpu_type:
         raise UserError(f"GPU type {gpu_type!r}: site {site.name} has {site_gpu_type!r} GPUs; drop the type or use another site")
@@ -146,7 +146,7 @@ def job_spec(
         script=script, args=args, output=output, error=error, workdir=workdir, python=python,
         account=account, qos=qos, queue=queue, job_name=job_name,
     )
-    return spec, plan_
+    return spec, layout_
 
 
 def driver_job_spec(
@@ -164,9 +164,9 @@ def driver_job_spec(
     queue: str | None,
     job_name: str | None,
     extra_directives: Sequence[str],
-) -> tuple[JobSpec, Plan]:
+) -> tuple[JobSpec, Layout]:
     """The driver job of a jobqueue site: one small task that runs `hpc-garage run` (the scheduler and the
-    script), which submits the worker jobs. Its plan is the first pool's worker job, for the notes."""
+    script), which submits the worker jobs. Its layout is the first pool's worker job, for the notes."""
     from hpc_garage.core.pools import job_shapes
 
     jq = site.jobqueue
@@ -185,7 +185,7 @@ def driver_job_spec(
         script=script, args=args, output=output, error=error, workdir=workdir, python=python,
         account=account, qos=qos, queue=queue, job_name=job_name,
     )
-    return spec, next(iter(job_shapes(site).values())).plan
+    return spec, next(iter(job_shapes(site).values())).layout
 
 
 def _spec(
@@ -244,7 +244,7 @@ def _spec(
 def _cores_for(site: Site, per_worker: int, **request: int | None) -> int:
     if per_worker < 1:
         raise UserError(f"-c {per_worker}: ask for at least 1 core per worker")
-    probe = plan(site, Allocation.from_request(site, **request))  # workers per node do not depend on cores
+    probe = layout(site, Allocation.from_request(site, **request))  # workers per node do not depend on cores
     per_node = sum(1 for w in probe.workers if w.node == 0)
     if per_worker * per_node > site.node.cores:
         raise UserError(

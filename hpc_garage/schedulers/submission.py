@@ -30,7 +30,7 @@ from hpc_garage.schedulers.base import JOB_ID, BatchSystem, JobStatus
 
 if TYPE_CHECKING:
     from hpc_garage.schedulers.jobscript import JobSpec
-    from hpc_garage.core.layout import Plan
+    from hpc_garage.core.layout import Layout
     from hpc_garage.core.site import Site
 
 SUBMIT_FILE = "submit.json"
@@ -57,7 +57,7 @@ class Prepared:
 
     site: Site
     spec: JobSpec
-    plan: Plan
+    layout: Layout
     script: str  # the job script's text
     root: Path  # the site's run root
 
@@ -97,11 +97,11 @@ def prepare(
     output = _absolute(output, workdir, "--output") if output else batch.default_output(root, name)
     error = _absolute(error, workdir, "--error") if error else None
     python = os.path.expanduser(site.python) if site.python else sys.executable
-    spec, plan_ = job_spec(
+    spec, layout_ = job_spec(
         site, script=os.path.abspath(script_path), args=args, output=output, error=error, workdir=workdir,
         python=python, **request,
     )
-    return Prepared(site=site, spec=spec, plan=plan_, script=render(spec), root=root)
+    return Prepared(site=site, spec=spec, layout=layout_, script=render(spec), root=root)
 
 
 def _absolute(path: str, workdir: str, flag: str) -> str:

@@ -38,7 +38,7 @@ from typing import Any
 from hpc_garage.compat import correct_state, scheduler_at
 from hpc_garage.core.errors import UserError
 from hpc_garage.launchers.common import Launcher, security_from
-from hpc_garage.core.layout import Plan, WorkerSpec
+from hpc_garage.core.layout import Layout, WorkerSpec
 from hpc_garage.core.pools import (
     POOL_RESOURCES_ENV,
     UNTAGGED,
@@ -57,7 +57,7 @@ from hpc_garage.core.site import Site
 from hpc_garage.core.units import format_walltime
 
 WORKER_MODULE = "hpc_garage.launchers.jobqueue.worker"
-PLAN_PREFIX = "jobqueue-"  # <run dir>/jobqueue-<pool>.json: what a worker job reads (0600)
+WORKER_FILE_PREFIX = "jobqueue-"  # <run dir>/jobqueue-<pool>.json: what a worker job reads (0600)
 JOBS_FILE = "worker-jobs.json"  # <run dir>/worker-jobs.json: every worker job of the run, and the events
 LOG_DIR = "worker-logs"
 INTERVAL = 1.0  # seconds between scaling decisions
@@ -96,13 +96,13 @@ def job_kwargs(shape: JobShape, *, plan_file: str, log_dir: str, job_name: str,
         "cores": shape.cores,
         "memory": shape.memory,
         "processes": shape.workers_per_job,
-        "worker_threads": shape.plan.workers[0].nthreads,
-        "worker_memory_limit": shape.plan.workers[0].memory_limit,
+        "worker_threads": shape.layout.workers[0].nthreads,
+        "worker_memory_limit": shape.layout.workers[0].memory_limit,
         "job_name": plain(job_name, "worker job name"),
         "walltime": format_walltime(shape.walltime),
         "python": shlex.quote(python),
         "worker_command": WORKER_MODULE,
-        "worker_extra_args": ["--hpc-garage-plan", shlex.quote(plan_file)],
+        "worker_extra_args": ["--hpc-garage-worker-file", shlex.quote(plan_file)],
         "death_timeout": jq.death_timeout,
         "job_script_prologue": list(site.setup),
         "job_directives_skip": [],
@@ -220,7 +220,7 @@ def worker_scripts(site: Site, *, run_root: Path | None = None) -> str:
     parts = []
     for pool, shape in job_shapes(site).items():
         job_cls, _ = _classes(shape.site.scheduler)
-        kwargs = job_kwargs(shape, plan_file=str(run_dir / f"{PLAN_PREFIX}{pool}.json"),
+        kwargs = job_kwargs(shape, plan_file=str(run_dir / f"{WORKER_FILE_PREFIX}{pool}.json"),
                             log_dir=str(run_dir / LOG_DIR), job_name=worker_job_name(pool, "RUN_ID"))
         job = job_cls(scheduler="tls://SCHEDULER:PORT", name=f"{pool}-0", security=security,
                       protocol="tls://", **kwargs)
@@ -231,7 +231,7 @@ def worker_scripts(site: Site, *, run_root: Path | None = None) -> str:
     return "\n".join(parts)
 
 
-def worker_plan(site: Site, pool: str, *, address: str, tls: dict[str, str] | None,
+def worker_job_file(site: Site, pool: str, *, address: str, tls: dict[str, str] | None,
                 worker_env: dict[str, str]) -> dict[str, Any]:
     """What a worker job of `pool` reads at start-up: the site as written, the scheduler, TLS, environment."""
     pool_site = site.pool_sites()[pool]
@@ -261,7 +261,7 @@ class JobRecord:
     workers: int = 0  # registered now
 
 
-def run_plan(site: Site) -> tuple[Plan, list[str]]:
+def initial_layout(site: Site) -> tuple[Layout, list[str]]:
     """What `run` waits for before COMMAND: the workers of each pool's first jobs (its fixed count, or its
     minimum), named as their jobs will name them; and what to say about the pools."""
     from hpc_garage.core.allocation import Allocation
@@ -271,14 +271,14 @@ def run_plan(site: Site) -> tuple[Plan, list[str]]:
     nodes = []
     for pool, shape in shapes.items():
         for i in range(shape.site.jobqueue.bounds[0]):
-            for spec, name in zip(shape.plan.workers, worker_names(f"{pool}-{i}", shape.workers_per_job)):
+            for spec, name in zip(shape.layout.workers, worker_names(f"{pool}-{i}", shape.workers_per_job)):
                 workers.append(replace(spec, name=name, node=len(nodes)))
             nodes.append(shape.node)
     first = next(iter(shapes.values()))
     allocation = Allocation(nodes=tuple(nodes) or (first.node,), source="request", walltime=first.walltime)
     notes = [f"unused in each worker job of pool {pool}: {x}" for pool, shape in shapes.items()
-             for x in shape.plan.leftovers]
-    return Plan(site=site, allocation=allocation, workers=workers, leftovers=[]), notes
+             for x in shape.layout.leftovers]
+    return Layout(site=site, allocation=allocation, workers=workers, leftovers=[]), notes
 
 
 def initial_workers(site: Site) -> list[str]:
@@ -332,8 +332,8 @@ class JobqueueLauncher(Launcher):
         job_cls, cluster_cls = _classes(self.site.scheduler)
         job_cls.submissions = self.submissions
         for pool, shape in self.shapes.items():
-            plan_file = rundir.path / f"{PLAN_PREFIX}{pool}.json"
-            write_private(plan_file, json.dumps(worker_plan(self.site, pool, address=address, tls=tls,
+            plan_file = rundir.path / f"{WORKER_FILE_PREFIX}{pool}.json"
+            write_private(plan_file, json.dumps(worker_job_file(self.site, pool, address=address, tls=tls,
                                                             worker_env=worker_env)))
             kwargs = job_kwargs(shape, plan_file=str(plan_file), log_dir=str(logs),
                                 job_name=worker_job_name(pool, self.run_id))
@@ -381,7 +381,7 @@ class JobqueueLauncher(Launcher):
                 self._event("cancel", rec)
         await self.submissions.settle()
         await asyncio.to_thread(self._cancel_leftovers)
-        for plan_file in self.rundir.path.glob(f"{PLAN_PREFIX}*.json") if self.rundir else []:
+        for plan_file in self.rundir.path.glob(f"{WORKER_FILE_PREFIX}*.json") if self.rundir else []:
             plan_file.unlink(missing_ok=True)  # holds the Prefect API's credentials
         self._write_jobs()
         self.stopped = True
@@ -435,7 +435,7 @@ class JobqueueLauncher(Launcher):
             await self._poll_batch_system()
         for rec in [r for r in self.jobs.values() if r.state in ("ended", "failed") and r.name in
                     self.clusters[r.pool].worker_spec]:
-            await self.clusters[rec.pool].scale_down([rec.name])  # gone: out of the plan, so it is replaced
+            await self.clusters[rec.pool].scale_down([rec.name])  # gone: out of the cluster's spec, so it is replaced
         await self._finish_retired(now)
         targets = pool_targets(list(self.shapes.values()), self._pool_states(), self.site.jobqueue.max_jobs_in_queue)
         for pool, cluster in self.clusters.items():
@@ -582,7 +582,7 @@ class JobqueueLauncher(Launcher):
             self._event("retire", rec)
 
     async def _finish_retired(self, now: float) -> None:
-        """A retired job whose workers have left is out of the plan; scancel only if it lingers."""
+        """A retired job whose workers have left is out of the cluster's spec; scancel only if it lingers."""
         for rec in [r for r in self.jobs.values() if r.state == "retiring"]:
             if rec.workers == 0 and now - (rec.retiring or now) >= RETIRE_GRACE:
                 await self.clusters[rec.pool].scale_down([rec.name])  # scancel: harmless once it has ended

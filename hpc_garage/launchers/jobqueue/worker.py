@@ -2,7 +2,7 @@
 
 dask-jobqueue runs this as the job's command (its `worker_command`):
 
-    python -m hpc_garage.launchers.jobqueue.worker tls://HOST:PORT --name gpu-3 ... --hpc-garage-plan FILE
+    python -m hpc_garage.launchers.jobqueue.worker tls://HOST:PORT --name gpu-3 ... --hpc-garage-worker-file FILE
 
 Its `--nthreads`/`--memory-limit`/`--nworkers` would give every process the same share and the same GPUs;
 here they are ignored. The job reads what it was actually given (`Allocation.from_env`: cores, memory and
@@ -31,7 +31,7 @@ from hpc_garage.schedulers import allocation_from_env, node_name
 from hpc_garage.core.errors import UserError
 from hpc_garage.launchers.common import (forkserver_env, local_directory, node_gpus, run_entry, security_from,
                                         start_worker_forkserver, worker_preload)
-from hpc_garage.core.layout import WorkerSpec, pin_gpus, plan
+from hpc_garage.core.layout import WorkerSpec, pin_gpus, layout
 from hpc_garage.core.pools import JobShape, advertised, job_shapes, lifetime, worker_names
 from hpc_garage.core.site import Site, parse_site_dict
 from hpc_garage.core.units import format_bytes, format_walltime
@@ -50,7 +50,7 @@ class JobWorker:
 def job_workers(shape: JobShape, job_name: str, allocation: Allocation,
                 env: Mapping[str, str]) -> tuple[list[JobWorker], list[str]]:
     """This job's workers, from its real allocation; and what was assumed or left unused, in words."""
-    specs = [w for w in plan(shape.site, allocation).workers if w.node == 0]
+    specs = [w for w in layout(shape.site, allocation).workers if w.node == 0]
     want = shape.workers_per_job
     if len(specs) < want:
         raise UserError(
@@ -75,7 +75,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m hpc_garage.launchers.jobqueue.worker")
     parser.add_argument("address")
     parser.add_argument("--name", required=True)
-    parser.add_argument("--hpc-garage-plan", dest="plan", required=True)
+    parser.add_argument("--hpc-garage-worker-file", dest="worker_file", required=True)
     parser.add_argument("--death-timeout", type=float, default=60.0)
     args, _ = parser.parse_known_args(argv)  # dask-jobqueue's --nthreads, --memory-limit, --tls-*: see above
     return args
@@ -84,11 +84,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        data: dict[str, Any] = json.loads(Path(args.plan).read_text())
+        data: dict[str, Any] = json.loads(Path(args.worker_file).read_text())
     except (OSError, json.JSONDecodeError) as exc:
-        raise UserError(f"cannot read the worker plan {args.plan} ({exc}); the run that submitted this job "
+        raise UserError(f"cannot read the worker file {args.worker_file} ({exc}); the run that submitted this job "
                         "has ended, or its run directory is not on a file system this node shares") from None
-    site: Site = parse_site_dict(data["site"], origin=f"site of {args.plan}")
+    site: Site = parse_site_dict(data["site"], origin=f"site of {args.worker_file}")
     shape = job_shapes(site)[data["pool"]]
     allocation = allocation_from_env(shape.site)
     workers, notes = job_workers(shape, args.name, allocation, os.environ)
