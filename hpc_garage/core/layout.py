@@ -8,43 +8,20 @@ here it is computed once, checked, and every leftover core or byte is reported r
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from hpc_garage.core.allocation import Allocation, NodeAllocation
 from hpc_garage.core.errors import LayoutError
+from hpc_garage.core.per_node import NodeWorkers, PerNode, dumps
 from hpc_garage.core.units import format_bytes
+from hpc_garage.core.worker_spec import WorkerSpec, number
+
+__all__ = ["Layout", "LayoutError", "WorkerSpec", "describe", "layout", "pin_gpus"]
 
 if TYPE_CHECKING:  # not imported at run time: `show` lays out a SiteView without importing pydantic
     from hpc_garage.core.site import Site
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """One Dask worker process and everything it must be started with."""
-
-    name: str
-    node: int  # index into the allocation's nodes
-    host: str | None
-    local_rank: int  # position among the workers of its node
-    nthreads: int
-    memory_limit: int  # bytes
-    resources: dict[str, float]
-    gpu_slots: tuple[int, ...] = ()  # indices into the node's GPU list (re-read on the node itself)
-    env: dict[str, str] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        """The fields as plain JSON types (copies), in field order: what `WorkerSpec(**d)` rebuilds it from."""
-        return {"name": self.name, "node": self.node, "host": self.host, "local_rank": self.local_rank,
-                "nthreads": self.nthreads, "memory_limit": self.memory_limit, "resources": dict(self.resources),
-                "gpu_slots": list(self.gpu_slots), "env": dict(self.env)}
-
-    @property
-    def resources_arg(self) -> str:
-        """The `--resources` value: `GPU=1,CPU=8,MEMORY=64000000000,PROCESS=1`."""
-        return ",".join(f"{k}={_number(v)}" for k, v in self.resources.items())
 
 
 class _Workers:
@@ -58,11 +35,11 @@ class _Workers:
         if layout_ is None:
             raise AttributeError("workers")  # to dataclasses: a required field
         workers = layout_.__dict__["workers"]
-        if isinstance(workers, _PerNode):
+        if isinstance(workers, PerNode):
             workers = layout_.__dict__["workers"] = workers.build()
         return workers
 
-    def __set__(self, layout_: Layout, workers: list[WorkerSpec] | _PerNode) -> None:
+    def __set__(self, layout_: Layout, workers: list[WorkerSpec] | PerNode) -> None:
         layout_.__dict__["workers"] = workers
 
 
@@ -79,7 +56,7 @@ class Layout:
     def worker_count(self) -> int:
         """len(self.workers), without building them."""
         per_node = self.__dict__["workers"]
-        return sum(len(n.suffixes) for n in per_node.nodes) if isinstance(per_node, _PerNode) else len(per_node)
+        return sum(len(n.suffixes) for n in per_node.nodes) if isinstance(per_node, PerNode) else len(per_node)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -99,77 +76,23 @@ class Layout:
         Nodes laid out alike differ only in the worker names, node index and host, so each shape of node is
         encoded once and filled in per node: 4,096 nodes x 8 GPUs take tens of milliseconds, not seconds.
         """
-        yield _dumps({"site": self._site_dict(), "allocation": self.allocation.to_dict()})[:-1] + ',"workers":'
+        yield dumps({"site": self._site_dict(), "allocation": self.allocation.to_dict()})[:-1] + ',"workers":'
         per_node = self.__dict__["workers"]
-        if isinstance(per_node, _PerNode):
+        if isinstance(per_node, PerNode):
             yield from per_node.json_chunks()
         else:
-            yield _dumps([w.to_dict() for w in per_node])
-        yield f',"leftovers":{_dumps(self.leftovers)}}}'
+            yield dumps([w.to_dict() for w in per_node])
+        yield f',"leftovers":{dumps(self.leftovers)}}}'
 
     def _site_dict(self) -> dict[str, Any]:
         return self.site.model_dump(mode="json") | {"path": str(self.site.path) if self.site.path else None}
 
 
-def _dumps(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"))
-
-
-class _NodeWorkers:
-    """The workers of one shape of node, without what differs per node (index, host, name prefix)."""
-
-    def __init__(self, suffixes: list[str], specs: list[dict[str, Any]]) -> None:
-        self.suffixes = suffixes  # the worker names after `n{index}-`
-        self.specs = specs  # the other WorkerSpec fields, in field order
-
-    def json_template(self, prefix: str) -> str:
-        """The node's workers as JSON, with NUL for the node index and SOH for its host (never in JSON text).
-
-        `prefix` is the JSON-escaped name prefix (the job id and a dash).
-        """
-        return ",".join(f'{{"name":"{prefix}n\x00-{suffix}","node":\x00,"host":\x01,' + _dumps(spec)[1:]
-                        for suffix, spec in zip(self.suffixes, self.specs))
-
-
-class _PerNode:
-    """The workers layout() laid out, as one _NodeWorkers per node (nodes of one shape share it)."""
-
-    def __init__(self, allocation: Allocation, nodes: list[_NodeWorkers]) -> None:
-        self.allocation, self.nodes = allocation, nodes
-
-    def build(self) -> list[WorkerSpec]:
-        prefix = f"{self.allocation.job_id}-" if self.allocation.job_id else ""
-        workers = []
-        for index, (node, shape) in enumerate(zip(self.allocation.nodes, self.nodes)):
-            name, host = f"{prefix}n{index}-", node.host
-            workers += [WorkerSpec(name=name + suffix, node=index, host=host, local_rank=spec["local_rank"],
-                                   nthreads=spec["nthreads"], memory_limit=spec["memory_limit"],
-                                   resources=dict(spec["resources"]), gpu_slots=tuple(spec["gpu_slots"]),
-                                   env=dict(spec["env"]))
-                        for suffix, spec in zip(shape.suffixes, shape.specs)]
-        return workers
-
-    def json_chunks(self) -> Iterator[str]:
-        """The workers' JSON list: `[`, then each node's workers (`,` before all but the first), then `]`."""
-        job_id = self.allocation.job_id
-        prefix = _dumps(f"{job_id}-" if job_id else "")[1:-1]
-        pieces: dict[tuple[int, str | None], list[str]] = {}  # per shape and host: the JSON around the index
-        separator = "["
-        for index, (node, shape) in enumerate(zip(self.allocation.nodes, self.nodes)):
-            if (parts := pieces.get((id(shape), node.host))) is None:
-                template = shape.json_template(prefix).replace("\x01", _dumps(node.host))
-                parts = pieces[(id(shape), node.host)] = template.split("\x00")
-            if text := str(index).join(parts):
-                yield separator + text
-                separator = ","
-        yield "[]" if separator == "[" else "]"
-
-
 def layout(site: Site, allocation: Allocation) -> Layout:
     """Lay out every node; nodes of the same shape are computed once (a 4,096-node request has one shape)."""
     leftovers: list[str] = []
-    shapes: dict[tuple[int, int, tuple[str, ...]], tuple[_NodeWorkers, list[str]]] = {}
-    per_node: list[_NodeWorkers] = []
+    shapes: dict[tuple[int, int, tuple[str, ...]], tuple[NodeWorkers, list[str]]] = {}
+    per_node: list[NodeWorkers] = []
     for index, node in enumerate(allocation.nodes):
         key = (node.cores, node.memory, node.gpus)
         if (shape := shapes.get(key)) is None:
@@ -178,10 +101,10 @@ def layout(site: Site, allocation: Allocation) -> Layout:
         if shape[1]:
             here = f"node {index}" + (f" ({node.host})" if node.host else "")
             leftovers += [f"{here}: {text}" for text in shape[1]]
-    return Layout(site=site, allocation=allocation, workers=_PerNode(allocation, per_node), leftovers=leftovers)
+    return Layout(site=site, allocation=allocation, workers=PerNode(allocation, per_node), leftovers=leftovers)
 
 
-def _layout_node(site: Site, index: int, node: NodeAllocation) -> tuple[_NodeWorkers, list[str]]:
+def _layout_node(site: Site, index: int, node: NodeAllocation) -> tuple[NodeWorkers, list[str]]:
     """One node's workers and leftovers (without the node's label); `index` only names the node in errors."""
     per, gpus = site.workers.per, len(node.gpus)
     if per == "gpu":
@@ -235,7 +158,7 @@ def _layout_node(site: Site, index: int, node: NodeAllocation) -> tuple[_NodeWor
         suffixes.append(f"gpu{slots[0]}" if per == "gpu" else f"w{k}")
         specs.append({"local_rank": k, "nthreads": threads, "memory_limit": memory_each, "resources": resources,
                       "gpu_slots": slots, "env": env})
-    return _NodeWorkers(suffixes, specs), leftovers
+    return NodeWorkers(suffixes, specs), leftovers
 
 
 def pin_gpus(spec: WorkerSpec, node_gpus: list[str] | tuple[str, ...], env_vars: tuple[str, ...]) -> dict[str, str]:
@@ -278,14 +201,14 @@ def describe(layout_: Layout) -> list[str]:
     lines += [f"note: {n}" for n in layout_.allocation.notes]
     lines += [f"unused: {x}" for x in layout_.leftovers]
     total_gpu = sum(w.resources.get("GPU", 0) for w in layout_.workers)
-    lines.append(f"total: {len(layout_.workers)} workers, {_number(total_gpu)} GPUs, "
-                 f"{_number(sum(w.resources['CPU'] for w in layout_.workers))} CPUs")
+    lines.append(f"total: {len(layout_.workers)} workers, {number(total_gpu)} GPUs, "
+                 f"{number(sum(w.resources['CPU'] for w in layout_.workers))} CPUs")
     return lines
 
 
 def _node_line(node: NodeAllocation, ws: list[WorkerSpec]) -> str:
     w = ws[0]
-    res = ", ".join(f"{k}={format_bytes(v)}" if k == "MEMORY" else f"{k}={_number(v)}" for k, v in w.resources.items())
+    res = ", ".join(f"{k}={format_bytes(v)}" if k == "MEMORY" else f"{k}={number(v)}" for k, v in w.resources.items())
     devices = [x.env.get("CUDA_VISIBLE_DEVICES", "") for x in ws]
     pinned = f", CUDA_VISIBLE_DEVICES {_span(devices)}" if any(devices) else ""
     gpus = f"{len(node.gpus)} GPUs, " if node.gpus else ""
@@ -300,7 +223,3 @@ def _span(ids: list[str]) -> str:
         if nums == list(range(nums[0], nums[0] + len(nums))):
             return f"{nums[0]}..{nums[-1]}"
     return " ".join(ids)
-
-
-def _number(v: float) -> str:
-    return str(int(v)) if float(v).is_integer() else str(v)
