@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from hpc_garage.core.allocation import Allocation
+from hpc_garage.core.request import Request
 from hpc_garage.core.errors import AllocationError
 from hpc_garage.schedulers import allocation_from_env
 from hpc_garage.schedulers.pbs import Pbs, parse_qstat_f
@@ -251,14 +252,14 @@ def test_slurm_wins_inside_slurm_for_a_slurm_site_even_with_torque_variables() -
 
 
 def test_request_defaults_to_whole_nodes() -> None:
-    a = Allocation.from_request(load_site("slurm-gpu"), nodes=2)
+    a = Allocation.from_request(load_site("slurm-gpu"), Request(nodes=2))
     assert len(a.nodes) == 2 and a.nodes[0].gpus == ("0", "1", "2", "3") and a.nodes[0].cores == 32
 
 
 def test_part_of_a_gpu_node_brings_the_same_part_of_cores_and_memory() -> None:
-    a = Allocation.from_request(load_site("slurm-gpu"), gpus_per_node=1)
+    a = Allocation.from_request(load_site("slurm-gpu"), Request(gpus_per_node=1))
     assert a.nodes[0].cores == 8 and a.nodes[0].memory == 64 * GIB and a.nodes[0].gpus == ("0",)
-    b = Allocation.from_request(load_site("slurm-gpu"), gpus_per_node=2, cores_per_node=32)
+    b = Allocation.from_request(load_site("slurm-gpu"), Request(gpus_per_node=2, cores_per_node=32))
     assert b.nodes[0].cores == 32 and b.nodes[0].memory == 128 * GIB
 
 
@@ -275,4 +276,4 @@ def test_part_of_a_gpu_node_brings_the_same_part_of_cores_and_memory() -> None:
 )
 def test_impossible_requests_are_refused(request_: dict, message: str) -> None:
     with pytest.raises(AllocationError, match=message):
-        Allocation.from_request(load_site("slurm-gpu"), **request_)
+        Allocation.from_request(load_site("slurm-gpu"), Request(**request_))

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hpc_garage.core.errors import UserError
+from hpc_garage.core.request import Request
 from hpc_garage.schedulers.jobscript import JobSpec, job_spec, render
 from hpc_garage.core.site import Site
 from hpc_garage.sites import load_site
@@ -28,11 +29,10 @@ def site(name: str) -> Site:
 
 
 def spec_for(site_: Site, **request: Any) -> JobSpec:
-    request.setdefault("output", "/runs/%j.out")
-    request.setdefault("workdir", "/home/me/sweeps")
-    request.setdefault("python", "/venv/bin/python")
-    request.setdefault("script", "/home/me/sweeps/flow.py")
-    return job_spec(site_, **request)[0]
+    command = {"output": "/runs/%j.out", "workdir": "/home/me/sweeps", "python": "/venv/bin/python",
+               "script": "/home/me/sweeps/flow.py"}
+    command |= {k: request.pop(k) for k in ("output", "workdir", "python", "script", "args", "error") if k in request}
+    return job_spec(site_, Request(**request), **command)[0]
 
 
 def directives(text: str, prefix: str) -> list[str]:

@@ -8,6 +8,7 @@ import socket
 import pytest
 
 from hpc_garage.core.allocation import Allocation
+from hpc_garage.core.request import Request
 from hpc_garage.core.errors import UserError
 from hpc_garage.launchers.common import forkserver_env, listening_host, scheduler_preload, worker_preload
 from hpc_garage.launchers.mpi import launcher_rank, node_index, node_workers, rank_command
@@ -21,7 +22,7 @@ def two_node_plan(name: str, flavor: str | None = None, **request: int):  # noqa
     site = load_site(name)
     if flavor:
         site = site.model_copy(update={"mpi": site.mpi.model_copy(update={"flavor": flavor})})
-    return layout(site, Allocation.from_request(site, nodes=2, **request))
+    return layout(site, Allocation.from_request(site, Request(nodes=2, **request)))
 
 
 def test_srun_starts_one_process_per_node_with_every_core_its_workers_use() -> None:

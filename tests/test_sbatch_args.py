@@ -107,13 +107,13 @@ def test_refused(line: str, fragment: str) -> None:
     assert "\n" not in str(info.value)
 
 
-def test_request_keywords_match_job_spec() -> None:
-    import inspect
+def test_options_become_one_request() -> None:
+    """(Was: the loose keywords match job_spec's; the core Request type now carries them.)"""
+    from hpc_garage.core.request import Request
 
-    from hpc_garage.schedulers.jobscript import job_spec
-
-    accepted = set(inspect.signature(job_spec).parameters)
-    assert set(parse(["-N", "2", "flow.py"]).request()) <= accepted
+    call = parse(["-N", "2", "-p", "gpu", "--mem=4G", "-C", "a100", "-J", "x", "flow.py"])
+    assert call.request() == Request(nodes=2, queue="gpu", memory=4 * 2**30, job_name="x",
+                                     extra_directives=("-C a100",))
 
 
 # ------------------------------------------------------------------------------------- choosing the site

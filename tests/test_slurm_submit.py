@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from hpc_garage.core.request import Request
+
 pytestmark = pytest.mark.slurm
 
 FAKE_PYTHON = """#!/bin/bash
@@ -205,7 +207,7 @@ def test_a_failure_after_sbatch_cancels_the_job(lab: dict[str, Path], monkeypatc
     monkeypatch.setattr(submission, "write_private", full_disk)
     name = unique()
     with pytest.raises(OSError):
-        submission.submit(submission.prepare("tsub", "job.py", ["sleep", "60"], job_name=name))
+        submission.submit(submission.prepare("tsub", "job.py", ["sleep", "60"], Request(job_name=name)))
     (entry,) = queued_by_name(name)
     job_id, state = entry.split("|")
     assert state in ("CANCELLED", "COMPLETING") or not active(job_id)

@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from hpc_garage.core.request import Request
+
 import hpc_garage.schedulers as schedulers
 from hpc_garage.schedulers import submission
 from hpc_garage.core.errors import UserError
@@ -91,9 +93,9 @@ def test_prepare_reads_and_creates_nothing(lab: Path) -> None:
     [
         (lambda: submission.prepare("t", "nope.py"), "script {lab}/work/nope.py does not exist"),
         (lambda: submission.prepare("nosuch", "flow.py"), "unknown site 'nosuch'"),
-        (lambda: submission.prepare("t", "flow.py", nodes=0), "--nodes 0"),
+        (lambda: submission.prepare("t", "flow.py", request=Request(nodes=0)), "--nodes 0"),
         (lambda: submission.prepare("t", "flow.py", output="no/dir/%j.out"), "directory {lab}/work/no/dir does not exist"),
-        (lambda: submission.prepare("t", "flow.py", job_name="a b"), "job name 'a b'"),
+        (lambda: submission.prepare("t", "flow.py", request=Request(job_name="a b")), "job name 'a b'"),
     ],
 )
 def test_prepare_refuses_in_one_line(lab: Path, call: Any, fragment: str) -> None:
@@ -312,7 +314,7 @@ def test_cancel_says_what_it_did(lab: Path, fake: FakeSlurm) -> None:
 def test_status_all_newest_first_one_squeue(lab: Path, fake: FakeSlurm) -> None:
     fake.answers["sbatch"] = ["7\n", "8\n"]
     submission.submit(submission.prepare("t", "flow.py"))
-    submission.submit(submission.prepare("t", "flow.py", job_name="second"))
+    submission.submit(submission.prepare("t", "flow.py", request=Request(job_name="second")))
     fake.answers["squeue"] = ["8|RUNNING|second|None|node1\n7|PENDING|flow|Priority|\n"]
     views = submission.status_all([lab / "runs"])
     assert [v.job_id for v in views] == ["8", "7"]

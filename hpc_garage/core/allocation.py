@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from hpc_garage.core.errors import AllocationError
+from hpc_garage.core.request import Request
 from hpc_garage.core.units import format_bytes, format_walltime
 
 if TYPE_CHECKING:
@@ -54,32 +55,28 @@ class Allocation:
                 "walltime": self.walltime, "end_time": self.end_time, "notes": list(self.notes)}
 
     @classmethod
-    def from_request(
-        cls,
-        site: Site,
-        *,
-        nodes: int | None = None,
-        gpus_per_node: int | None = None,
-        cores_per_node: int | None = None,
-        memory: int | None = None,
-        walltime: int | None = None,
-    ) -> Allocation:
-        """The allocation a request would get, refused here (with the reason) if the site cannot grant it."""
+    def from_request(cls, site: Site, request: Request = Request()) -> Allocation:
+        """The allocation a request would get, refused here (with the reason) if the site cannot grant it.
+
+        `request.cores_per_worker` is not read here: it becomes cores per node once the layout is known.
+        """
+        nodes, cores_per_node, memory = request.nodes, request.cores_per_node, request.memory
+        gpus_per_node, walltime = request.gpus_per_node, request.walltime
         gpus = site.node.gpus if gpus_per_node is None else gpus_per_node
         # part of a GPU node comes with the same part of its cores and memory, so jobs can share the node
         share = gpus / site.node.gpus if site.node.gpus and 0 < gpus < site.node.gpus else 1
-        request = _Request(
+        checked = _Resolved(
             nodes=1 if nodes is None else nodes,
             gpus=gpus,
             cores=max(1, int(site.node.cores * share)) if cores_per_node is None else cores_per_node,
             memory=int(site.node.memory * share) if memory is None else memory,
             walltime=site.walltime if walltime is None else walltime,
         )
-        check_request(site, request)
+        check_request(site, checked)
         node = NodeAllocation(
-            cores=request.cores, memory=request.memory, gpus=tuple(str(i) for i in range(request.gpus))
+            cores=checked.cores, memory=checked.memory, gpus=tuple(str(i) for i in range(checked.gpus))
         )
-        return cls(nodes=(node,) * request.nodes, source="request", walltime=request.walltime)
+        return cls(nodes=(node,) * checked.nodes, source="request", walltime=checked.walltime)
 
     def describe(self) -> str:
         where = f"{self.source} job {self.job_id}" if self.job_id else f"{self.source}"
@@ -88,7 +85,7 @@ class Allocation:
 
 
 @dataclass(frozen=True)
-class _Request:
+class _Resolved:
     nodes: int
     gpus: int
     cores: int
@@ -96,7 +93,7 @@ class _Request:
     walltime: int
 
 
-def check_request(site: Site, r: _Request) -> None:
+def check_request(site: Site, r: _Resolved) -> None:
     """Refuse what the site cannot grant, naming the flag to change."""
     name, node, limits = site.name, site.node, site.limits
     if r.nodes < 1:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_garage.core.allocation import Allocation
+from hpc_garage.core.request import Request
 from hpc_garage.launchers.common import (Launcher, forkserver_env, local_directory, security_from,
                                         start_worker_forkserver, worker_options, worker_preload)
 from hpc_garage.core.layout import Layout, WorkerSpec, layout
@@ -42,7 +43,7 @@ def local_layout(site: Site, cores: int | None = None, memory: int | None = None
     cores = have_cores if cores is None else cores
     memory = have_memory if memory is None else memory
     gpus = machine_gpus() if gpus is None else gpus
-    shaped = layout(site, Allocation.from_request(site, nodes=1))
+    shaped = layout(site, Allocation.from_request(site, Request(nodes=1)))
     workers = shaped.workers
     notes = []
     share_threads = max(1, cores // len(workers))

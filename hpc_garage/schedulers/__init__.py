@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from hpc_garage.core.allocation import Allocation
 from hpc_garage.core.errors import AllocationError
+from hpc_garage.core.request import Request
 from hpc_garage.schedulers.base import BatchSystem
 
 if TYPE_CHECKING:
@@ -70,22 +71,15 @@ def allocation_from_env(site: Site, env: Mapping[str, str] | None = None) -> All
     return batch.allocation_from_env(env, site)
 
 
-def allocation_for(site: Site | SiteView, env: Mapping[str, str] | None = None, **request: int | None) -> Allocation:
+def allocation_for(site: Site | SiteView, request: Request = Request(),
+                   env: Mapping[str, str] | None = None) -> Allocation:
     """The job's own allocation when inside one and nothing was requested; otherwise the request."""
     env = os.environ if env is None else env
-    asked = {k: v for k, v in request.items() if v is not None}
-    if not asked and site.scheduler != "local" and in_batch_job(env):
+    if not request.shapes_allocation() and site.scheduler != "local" and in_batch_job(env):
         from hpc_garage.sites.view import full
 
         return allocation_from_env(full(site), env)
-    return Allocation.from_request(
-        site,
-        nodes=asked.get("nodes"),
-        gpus_per_node=asked.get("gpus_per_node"),
-        cores_per_node=asked.get("cores_per_node"),
-        memory=asked.get("mem"),
-        walltime=asked.get("walltime"),
-    )
+    return Allocation.from_request(site, request)
 
 
 def node_name(env: Mapping[str, str] | None = None) -> str:

@@ -13,13 +13,14 @@ import re
 import shlex
 import string
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import cache
 from typing import Any
 
 from hpc_garage import __version__
 from hpc_garage.core.allocation import Allocation
 from hpc_garage.core.errors import UserError
+from hpc_garage.core.request import Request
 from hpc_garage.core.layout import Layout, layout
 from hpc_garage.core.site import Site
 from hpc_garage.sites.files import packaged_dir
@@ -88,6 +89,7 @@ def render(spec: JobSpec) -> str:
 
 def job_spec(
     site: Site,
+    request: Request = Request(),
     *,
     script: str,
     args: Sequence[str] = (),
@@ -95,85 +97,57 @@ def job_spec(
     workdir: str,
     python: str,
     error: str | None = None,
-    nodes: int | None = None,
-    gpus_per_node: int | None = None,
-    cores_per_node: int | None = None,
-    cores_per_worker: int | None = None,
-    memory: int | None = None,
-    walltime: int | None = None,
-    account: str | None = None,
-    qos: str | None = None,
-    queue: str | None = None,
-    job_name: str | None = None,
-    gpu_type: str | None = None,
-    extra_directives: Sequence[str] = (),
 ) -> tuple[JobSpec, Layout]:
     """Check a request against the site (limits, layout) and resolve it into a JobSpec, with its layout.
 
-    `cores_per_worker` is sbatch's `-c` (a task is a worker): the node's cores become c × workers per node.
-    A jobqueue site's job is its driver (see `driver_job_spec`).
+    `request.cores_per_worker` is sbatch's `-c` (a task is a worker): the node's cores become c × workers
+    per node. A jobqueue site's job is its driver (see `driver_job_spec`).
     """
+    command = {"script": script, "args": args, "output": output, "error": error, "workdir": workdir,
+               "python": python}
     if site.launcher == "jobqueue":
         from hpc_garage.core.pools import refuse_request
 
-        refuse_request(site, {"nodes": nodes, "gpus_per_node": gpus_per_node, "cores_per_node": cores_per_node,
-                              "cores_per_worker": cores_per_worker, "memory": memory, "gpu_type": gpu_type})
-        return driver_job_spec(site, script=script, args=args, output=output, workdir=workdir, python=python,
-                               error=error, walltime=walltime, account=account, qos=qos, queue=queue,
-                               job_name=job_name, extra_directives=extra_directives)
-    if cores_per_worker is not None:
-        if cores_per_node is not None:
+        refuse_request(site, {k: v for k, v in request.asked().items() if k in Request.SHAPE})
+        return driver_job_spec(site, request, **command)
+    if request.cores_per_worker is not None:
+        if request.cores_per_node is not None:
             raise UserError("give either --cores-per-node or -c/--cpus-per-task (cores per worker), not both")
-        cores_per_node = _cores_for(site, cores_per_worker, nodes=nodes, gpus_per_node=gpus_per_node, memory=memory)
-    allocation = Allocation.from_request(
-        site, nodes=nodes, gpus_per_node=gpus_per_node, cores_per_node=cores_per_node, memory=memory, walltime=walltime
-    )
+        request = replace(request, cores_per_node=_cores_for(site, request))
+    allocation = Allocation.from_request(site, request)
     layout_ = layout(site, allocation)
     first = [w for w in layout_.workers if w.node == 0]
     site_gpu_type = site.node.gpu_type
-    if gpu_type and site_gpu_type and gpu_type != site_gpu_type:
-        raise UserError(f"GPU type {gpu_type!r}: site {site.name} has {site_gpu_type!r} GPUs; drop the type or use another site")
+    if request.gpu_type and site_gpu_type and request.gpu_type != site_gpu_type:
+        raise UserError(f"GPU type {request.gpu_type!r}: site {site.name} has {site_gpu_type!r} GPUs; drop the type "
+                        "or use another site")
     spec = _spec(  # checked now, before anything is created or submitted
-        site,
+        site, request,
         nodes=len(allocation.nodes),
         tasks_per_node=len(first),
         cpus_per_task=int(first[0].resources["CPU"]),
         gpus_per_node=len(allocation.nodes[0].gpus),
-        gpu_type=gpu_type or site_gpu_type,
+        gpu_type=request.gpu_type or site_gpu_type,
         memory=allocation.nodes[0].memory,
         walltime=allocation.walltime,
-        directives=(*site.directives, *extra_directives),
-        script=script, args=args, output=output, error=error, workdir=workdir, python=python,
-        account=account, qos=qos, queue=queue, job_name=job_name,
+        directives=(*site.directives, *request.extra_directives),
+        **command,
     )
     return spec, layout_
 
 
-def driver_job_spec(
-    site: Site,
-    *,
-    script: str,
-    args: Sequence[str],
-    output: str,
-    workdir: str,
-    python: str,
-    error: str | None,
-    walltime: int | None,
-    account: str | None,
-    qos: str | None,
-    queue: str | None,
-    job_name: str | None,
-    extra_directives: Sequence[str],
-) -> tuple[JobSpec, Layout]:
+def driver_job_spec(site: Site, request: Request, *, script: str, args: Sequence[str], output: str,
+                    error: str | None, workdir: str, python: str) -> tuple[JobSpec, Layout]:
     """The driver job of a jobqueue site: one small task that runs `hpc-garage run` (the scheduler and the
     script), which submits the worker jobs. Its layout is the first pool's worker job, for the notes."""
     from hpc_garage.core.pools import job_shapes
 
     jq = site.jobqueue
-    allocation = Allocation.from_request(site, nodes=1, gpus_per_node=0, cores_per_node=jq.driver_cores,
-                                         memory=jq.driver_memory, walltime=walltime)
+    driver = Request(nodes=1, gpus_per_node=0, cores_per_node=jq.driver_cores, memory=jq.driver_memory,
+                     walltime=request.walltime)
+    allocation = Allocation.from_request(site, driver)
     spec = _spec(
-        site,
+        site, request,
         nodes=1,
         tasks_per_node=1,
         cpus_per_task=jq.driver_cores,
@@ -181,15 +155,15 @@ def driver_job_spec(
         gpu_type=None,
         memory=jq.driver_memory,
         walltime=allocation.walltime,
-        directives=(*jq.driver_directives, *extra_directives),
+        directives=(*jq.driver_directives, *request.extra_directives),
         script=script, args=args, output=output, error=error, workdir=workdir, python=python,
-        account=account, qos=qos, queue=queue, job_name=job_name,
     )
     return spec, next(iter(job_shapes(site).values())).layout
 
 
 def _spec(
     site: Site,
+    request: Request,
     *,
     nodes: int,
     tasks_per_node: int,
@@ -205,10 +179,6 @@ def _spec(
     error: str | None,
     workdir: str,
     python: str,
-    account: str | None,
-    qos: str | None,
-    queue: str | None,
-    job_name: str | None,
 ) -> JobSpec:
     """The checked JobSpec of a job of `site` with this shape (the mpi job's or the jobqueue driver's): what
     both share (job name, the site's defaults, directives, setup, the command) is resolved here, once, and
@@ -217,7 +187,7 @@ def _spec(
         scheduler=site.scheduler,
         site=str(site.path.resolve()) if site.path else site.name,
         site_name=site.name,
-        job_name=job_name_for(job_name, script),
+        job_name=job_name_for(request.job_name, script),
         nodes=nodes,
         tasks_per_node=tasks_per_node,
         cpus_per_task=cpus_per_task,
@@ -225,9 +195,9 @@ def _spec(
         gpu_type=gpu_type,
         memory=memory,
         walltime=walltime or site.walltime,
-        queue=queue or site.queue,
-        account=account or site.account,
-        qos=qos or site.qos,
+        queue=request.queue or site.queue,
+        account=request.account or site.account,
+        qos=request.qos or site.qos,
         output=output,
         error=error,
         directives=directives,
@@ -241,10 +211,11 @@ def _spec(
     return spec
 
 
-def _cores_for(site: Site, per_worker: int, **request: int | None) -> int:
+def _cores_for(site: Site, request: Request) -> int:
+    per_worker = int(request.cores_per_worker or 0)
     if per_worker < 1:
         raise UserError(f"-c {per_worker}: ask for at least 1 core per worker")
-    probe = layout(site, Allocation.from_request(site, **request))  # workers per node do not depend on cores
+    probe = layout(site, Allocation.from_request(site, replace(request, cores_per_node=None)))  # workers per node do not depend on cores
     per_node = sum(1 for w in probe.workers if w.node == 0)
     if per_worker * per_node > site.node.cores:
         raise UserError(

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hpc_garage.core.errors import UserError
+from hpc_garage.core.request import Request
 
 # option -> field, for options that take a value and shape the request
 _VALUED = {
@@ -93,14 +94,14 @@ class SbatchCall:
     dry_run: bool = False
     wait: bool = False
 
-    def request(self) -> dict[str, Any]:
-        """The keywords of `submission.prepare` / `jobscript.job_spec`."""
-        return {
-            "nodes": self.nodes, "gpus_per_node": self.gpus_per_node, "gpu_type": self.gpu_type,
-            "cores_per_worker": self.cores_per_worker, "memory": self.memory, "walltime": self.walltime,
-            "account": self.account, "qos": self.qos, "queue": self.partition, "job_name": self.job_name,
-            "extra_directives": tuple(self.passthrough),
-        }
+    def request(self) -> Request:
+        """What the options ask of the site (`submission.prepare`)."""
+        return Request(
+            nodes=self.nodes, gpus_per_node=self.gpus_per_node, gpu_type=self.gpu_type,
+            cores_per_worker=self.cores_per_worker, memory=self.memory, walltime=self.walltime,
+            account=self.account, qos=self.qos, queue=self.partition, job_name=self.job_name,
+            extra_directives=tuple(self.passthrough),
+        )
 
 
 def parse(argv: Sequence[str]) -> SbatchCall:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from hpc_garage.core.errors import UserError
+from hpc_garage.core.request import Request
 from hpc_garage.files import run_dir as job_run_dir, run_root as expand_root, write_private
 from hpc_garage.schedulers.base import JOB_ID, BatchSystem, JobStatus
 
@@ -66,17 +67,14 @@ def prepare(
     site_name: str,
     script: str,
     args: Sequence[str] = (),
+    request: Request = Request(),
     *,
     cwd: str | None = None,
     output: str | None = None,
     error: str | None = None,
     must_exist: bool = True,
-    **request: Any,
 ) -> Prepared:
-    """Load the site, check the script and the request, render the job script. Reads, never writes.
-
-    `request` holds `jobscript.job_spec`'s keywords (nodes, gpus_per_node, memory, walltime, queue, ...).
-    """
+    """Load the site, check the script and the request, render the job script. Reads, never writes."""
     from hpc_garage.schedulers.jobscript import job_name_for, job_spec, render
     from hpc_garage.schedulers import get
     from hpc_garage.sites import load_site
@@ -93,14 +91,12 @@ def prepare(
         raise UserError(f"script {script_path} does not exist; check the path")
     root = run_root(site)
     batch = get(site.scheduler)
-    name = job_name_for(request.get("job_name"), script_path)
+    name = job_name_for(request.job_name, script_path)
     output = _absolute(output, workdir, "--output") if output else batch.default_output(root, name)
     error = _absolute(error, workdir, "--error") if error else None
     python = os.path.expanduser(site.python) if site.python else sys.executable
-    spec, layout_ = job_spec(
-        site, script=os.path.abspath(script_path), args=args, output=output, error=error, workdir=workdir,
-        python=python, **request,
-    )
+    spec, layout_ = job_spec(site, request, script=os.path.abspath(script_path), args=args, output=output,
+                             error=error, workdir=workdir, python=python)
     return Prepared(site=site, spec=spec, layout=layout_, script=render(spec), root=root)
 
 
