@@ -1,12 +1,14 @@
 """A site loaded without pydantic, for `show` and `sites`: importing pydantic and building the site models
 costs ~150 ms, more than the whole rest of `hpc-garage show` (issue 5: show within 3x `import click`).
 
-`load(name)` checks the site file against plain tables of the same fields. It vouches only for values of
-the plain kinds a hand-written file holds (ints, strings, lists of strings, the documented units) that pass
-every check; for anything else (an error, a type pydantic would coerce, a jobqueue site, pools) it returns the
-pydantic `Site` from `hpc_garage.site.parse_site_file`, so every error message, and every accepted value,
-is pydantic's. tests/test_siteview.py holds the tables to the models: same fields, order and defaults, and
-for generated files the view's values equal the model's whenever the view accepts.
+`load(name)` checks the site file against the models' fields as plain data: `sites.fields`, generated from
+`hpc_garage.core.site` by `python -m hpc_garage.sites.fields_gen` (names, order, defaults, kinds, bounds, patterns,
+choices, the `site_values` converters). It vouches only for values of the plain kinds a hand-written file holds
+(ints, strings, lists of strings, the documented units) that pass every check; for anything else (an error, a type
+pydantic would coerce, a key of a type it does not check such as `pools:`, a section with validators it does not
+mirror such as `jobqueue:`, a jobqueue site) it returns the pydantic `Site` from `hpc_garage.sites.parse_site_file`,
+so every error message, and every accepted value, is pydantic's. tests/test_siteview.py holds fields.py to the
+models and, for generated files, the view's values to the model's whenever the view accepts.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpc_garage.core import site_values
+from hpc_garage.sites import fields
 from hpc_garage.sites import files as sitefiles
 
 if TYPE_CHECKING:
@@ -30,113 +33,76 @@ class _Unsure(Exception):
 Check = Callable[[Any], Any]
 REQUIRED = object()
 
+# The model validators (and serializers, computed fields) the view mirrors, per section: `view()` repeats
+# Site._consistent's checks for mpi sites, and Site._pools_merged does nothing more where there are no pools.
+# A section with a hook not named here is pydantic's alone: given in a file, pydantic loads the site.
+MIRRORED = {"site": {"_consistent", "_pools_merged"}}
+TRUSTED = {key for key, section in fields.SECTIONS.items() if set(section["hooks"]) <= MIRRORED.get(key, set())}
 
-def _integer(minimum: int, optional: bool = False, before: Callable[[Any], Any] | None = None) -> Check:
+
+def _test(spec: dict[str, Any]) -> Callable[[Any], bool]:
+    """Whether a value (converted already) is one the fast path vouches for: of the kind, within the bounds."""
+    kind = spec["kind"]
+    if kind == "int":
+        gt, ge, lt, le = (spec.get(k) for k in ("gt", "ge", "lt", "le"))
+        return lambda v: type(v) is int and (gt is None or v > gt) and (ge is None or v >= ge) \
+            and (lt is None or v < lt) and (le is None or v <= le)
+    if kind == "bool":
+        return lambda v: type(v) is bool
+    if kind == "str":
+        pattern = spec.get("pattern")
+        if pattern is None:
+            return lambda v: type(v) is str
+        regex = re.compile(pattern)
+        # pydantic searches with Rust's regex, whose `$` is the end of the text; Python's also matches before a
+        # final newline, so text with a newline is left to pydantic
+        return lambda v: type(v) is str and "\n" not in v and regex.search(v) is not None
+    if kind == "choice":
+        choices = frozenset(spec["choices"])
+        return lambda v: type(v) is str and v in choices
+    if kind == "list[str]":
+        return lambda v: type(v) is list and all(type(x) is str for x in v)
+    if kind == "dict[str, str]":
+        return lambda v: type(v) is dict and all(type(k) is str and type(x) is str for k, x in v.items())
+    raise ValueError(f"sites.fields: unknown kind {kind!r}; regenerate it (python -m hpc_garage.sites.fields_gen)")
+
+
+def _check(spec: dict[str, Any]) -> Check | None:
+    """The check of one plain field: its value as the model holds it, or _Unsure. None for sections and `any`."""
+    if spec["kind"] in ("section", "any"):
+        return None
+    optional, test = spec.get("optional", False), _test(spec)
+    convert = getattr(site_values, spec["convert"]) if "convert" in spec else None
+    copy = list if spec["kind"] == "list[str]" else dict if spec["kind"] == "dict[str, str]" else None
+
     def check(value: Any) -> Any:
         if optional and value is None:
             return None
-        if before is not None:
+        if convert is not None:
             try:
-                value = before(value)
+                value = convert(value)
             except Exception:  # pydantic reports it
                 raise _Unsure from None
-        if type(value) is int and value >= minimum:
-            return value
+        if test(value):
+            return value if copy is None else copy(value)
         raise _Unsure
 
     return check
 
 
-def _text(optional: bool = False, pattern: str | None = None) -> Check:
-    def check(value: Any) -> Any:
-        if optional and value is None:
-            return None
-        if type(value) is str and (pattern is None or re.fullmatch(pattern, value)):
-            return value
-        raise _Unsure
-
-    return check
+def _table(key: str) -> list[tuple[str, Any, Check | None]]:
+    """A section's fields, in its model's order: (name, default, check). Defaults are never checked, as in
+    pydantic; a mutable default is copied per site."""
+    return [(spec["name"], spec.get("default", REQUIRED), _check(spec)) for spec in fields.SECTIONS[key]["fields"]]
 
 
-def _choice(*allowed: str) -> Check:
-    def check(value: Any) -> Any:
-        if type(value) is str and value in allowed:
-            return value
-        raise _Unsure
-
-    return check
-
-
-def _texts(value: Any) -> list[str]:
-    if type(value) is list and all(type(x) is str for x in value):
-        return list(value)
-    raise _Unsure
-
-
-def _mapping(value: Any) -> dict[str, str]:
-    if type(value) is dict and all(type(k) is str and type(v) is str for k, v in value.items()):
-        return dict(value)
-    raise _Unsure
-
-
-# The fields of each model in hpc_garage.core.site, in its order: (name, default, check). Defaults are never checked,
-# as in pydantic; a mutable default is copied per site.
-NODE = [
-    ("cores", REQUIRED, _integer(1, before=site_values.cores)),
-    ("memory", REQUIRED, _integer(1, before=site_values.node_memory)),
-    ("gpus", 0, _integer(0)),
-    ("gpu_type", None, _text(optional=True)),
-    ("gpu_vendor", "nvidia", _choice("nvidia", "amd")),
-]
-WORKERS = [
-    ("per", "node", _choice("gpu", "node", "process")),
-    ("processes", 1, _integer(1)),
-    ("threads", None, _integer(1, optional=True)),
-    ("reserve_memory", 0, _integer(0, before=site_values.memory)),
-]
-LIMITS = [
-    ("max_nodes", None, _integer(1, optional=True)),
-    ("max_walltime", None, _integer(1, optional=True, before=site_values.walltime)),
-    ("max_gpus_per_node", None, _integer(0, optional=True)),
-]
-MPI = [
-    ("launch", "auto", _choice("auto", "srun", "mpiexec")),
-    ("srun_args", [], _texts),
-    ("mpiexec", "mpiexec", _text()),
-    ("flavor", "openmpi", _choice("openmpi", "mpich")),
-    ("mpiexec_args", [], _texts),
-]
-# jobqueue settings matter only to jobqueue sites, which pydantic loads: others carry the defaults
-JOBQUEUE_DEFAULTS: dict[str, Any] = {
-    "jobs": None, "minimum_jobs": None, "maximum_jobs": None, "max_jobs_in_queue": 4, "gpus_per_job": None,
-    "cores_per_job": None, "memory_per_job": None, "idle_timeout": 60, "lifetime_margin": None,
-    "lifetime_stagger": None, "death_timeout": 60, "driver": "job", "driver_cores": 1, "driver_memory": 2 * 2**30,
-    "driver_directives": [], "untagged": None,
-}
-SECTIONS: dict[str, list[tuple[str, Any, Check]]] = {"node": NODE, "workers": WORKERS, "limits": LIMITS, "mpi": MPI}
-SITE = [
-    ("name", REQUIRED, _text(pattern=site_values.NAME_PATTERN[1:-1])),
-    ("description", "", _text()),
-    ("scheduler", REQUIRED, _choice("slurm", "pbs", "local")),
-    ("launcher", "mpi", _choice("mpi")),  # jobqueue: pydantic
-    ("queue", None, _text(optional=True)),
-    ("account", None, _text(optional=True)),
-    ("qos", None, _text(optional=True)),
-    ("walltime", 3600, _integer(1, before=site_values.walltime)),
-    ("node", REQUIRED, None),
-    ("workers", {}, None),
-    ("limits", {}, None),
-    ("interface", None, _text(optional=True)),
-    ("local_directory", None, _text(optional=True)),
-    ("run_directory", "~/.hpc-garage/runs", _text()),
-    ("setup", [], _texts),
-    ("directives", [], _texts),
-    ("env", {}, _mapping),
-    ("python", None, _text(optional=True)),
-    ("mpi", {}, None),
-    ("jobqueue", REQUIRED, None),  # never given here: a site with `jobqueue:` goes to pydantic
-    ("pools", REQUIRED, None),  # likewise
-]
+SITE = _table("site")
+SECTIONS = {key: _table(key) for key in fields.SECTIONS if key != "site"}
+# the fields that are nested models, per section: {("site", "node"): ("node", optional), ...}
+NESTED = {(key, spec["name"]): (spec["section"], spec.get("optional", False))
+          for key, section in fields.SECTIONS.items() for spec in section["fields"] if spec["kind"] == "section"}
+NAMES = {key: frozenset(spec["name"] for spec in section["fields"]) for key, section in fields.SECTIONS.items()}
+EXCLUDED = frozenset(fields.SECTIONS["site"]["excluded"])  # not YAML keys (path)
 
 
 class Section:
@@ -146,7 +112,7 @@ class Section:
         self.__dict__.update(values)
 
     def model_dump(self, mode: str = "python") -> dict[str, Any]:
-        return {k: (list(v) if isinstance(v, list) else v) for k, v in self.__dict__.items()}
+        return {k: SiteView._dump(v) for k, v in self.__dict__.items()}
 
 
 class SiteView:
@@ -162,9 +128,7 @@ class SiteView:
 
     @staticmethod
     def _dump(value: Any) -> Any:
-        if isinstance(value, Section):
-            return value.model_dump()
-        return dict(value) if isinstance(value, dict) else list(value) if isinstance(value, list) else value
+        return value.model_dump() if isinstance(value, Section) else _copied(value)
 
     @property
     def raw(self) -> dict[str, Any]:
@@ -203,10 +167,14 @@ def full(site: SiteView | Site) -> Site:
 
 def view(data: dict[str, Any], path: Path | None = None) -> SiteView:
     """The checked site, or _Unsure: for anything but plain values that pass every check of the models."""
-    raw = {k: v for k, v in data.items() if k != "path"}
-    values = _fields(SITE, raw, nested=True)
+    if "site" not in TRUSTED:
+        raise _Unsure  # Site has a validator the view does not mirror: see MIRRORED
+    raw = {k: v for k, v in data.items() if k not in EXCLUDED}
+    values = _fields("site", raw)
     node, workers, limits = values["node"], values["workers"], values["limits"]
     # Site._consistent's checks: a site failing one goes to pydantic, which words the error
+    if values["launcher"] != "mpi":
+        raise _Unsure  # jobqueue sites: Site._check_jobqueue and _pools_merged's pool checks are pydantic's
     if workers.per == "gpu" and node.gpus == 0 or workers.reserve_memory >= node.memory:
         raise _Unsure
     if limits.max_gpus_per_node is not None and limits.max_gpus_per_node > node.gpus:
@@ -216,22 +184,37 @@ def view(data: dict[str, Any], path: Path | None = None) -> SiteView:
     return SiteView(values, raw, path)
 
 
-def _fields(table: list[tuple[str, Any, Check | None]], data: Any, nested: bool = False) -> dict[str, Any]:
-    if type(data) is not dict or not data.keys() <= {name for name, _, check in table if check or name in SECTIONS}:
-        raise _Unsure  # not a mapping, or an unknown key (or jobqueue:, pools:)
+def _fields(key: str, data: Any) -> dict[str, Any]:
+    """The values of section KEY given as DATA: checked, or defaults where not given."""
+    if type(data) is not dict or not data.keys() <= NAMES[key]:
+        raise _Unsure  # not a mapping, or an unknown key
     values: dict[str, Any] = {}
-    for name, default, check in table:
-        if nested and name == "jobqueue":
-            values[name] = Section(dict(JOBQUEUE_DEFAULTS, driver_directives=[]))
-        elif nested and name == "pools":
-            values[name] = {}
-        elif name in SECTIONS:
-            values[name] = Section(_fields(SECTIONS[name], data.get(name, default)))
-        elif name in data:
-            values[name] = check(data[name])  # type: ignore[misc]
-        elif default is REQUIRED:
-            raise _Unsure
+    for name, default, check in SITE if key == "site" else SECTIONS[key]:
+        if name not in data:
+            if default is REQUIRED:
+                raise _Unsure
+            values[name] = _default(key, name, default)
+        elif check is not None:
+            values[name] = check(data[name])
         else:
-            values[name] = list(default) if isinstance(default, list) else dict(default) if isinstance(
-                default, dict) else default
+            sub, optional = NESTED.get((key, name), (None, False))
+            if sub is None or sub not in TRUSTED:
+                raise _Unsure  # a type the view does not check (pools:), or a section it does not (jobqueue:)
+            values[name] = None if optional and data[name] is None else Section(_fields(sub, data[name]))
     return values
+
+
+def _default(key: str, name: str, default: Any) -> Any:
+    """A field's default, copied; a nested model's (its dump) as a Section."""
+    sub, _ = NESTED.get((key, name), (None, False))
+    if sub is not None and type(default) is dict:
+        return Section({k: _default(sub, k, v) for k, v in default.items()})
+    return _copied(default)
+
+
+def _copied(value: Any) -> Any:
+    if type(value) is list:
+        return [_copied(v) for v in value]
+    if type(value) is dict:
+        return {k: _copied(v) for k, v in value.items()}
+    return value
