@@ -190,7 +190,7 @@ def _show_script(site_name: str, as_script: bool, command: tuple[str, ...], requ
 
 def _show_worker_scripts(site_name: str) -> None:
     """`show --worker-script`: each pool's worker job script, as it will be submitted."""
-    from hpc_garage.launchers.jobqueue.launcher import worker_scripts
+    from hpc_garage.launchers.jobqueue.jobs import worker_scripts
     from hpc_garage.sites import load_site
 
     site = load_site(site_name)
@@ -208,7 +208,7 @@ def _submit_prepared(prepared: Any, dry_run: bool, wait: bool) -> None:
     if dry_run:
         click.echo(prepared.script, nl=False)
         if jobqueue:  # and the worker jobs the driver will submit
-            from hpc_garage.launchers.jobqueue.launcher import worker_scripts
+            from hpc_garage.launchers.jobqueue.jobs import worker_scripts
 
             click.echo(worker_scripts(prepared.site), nl=False)
         return

@@ -14,21 +14,11 @@ from hypothesis import strategies as st
 
 from hpc_garage.core.allocation import Allocation
 from hpc_garage.core.errors import SiteError, UserError
-from hpc_garage.launchers.jobqueue.launcher import initial_workers, job_kwargs, initial_layout, submit_env, worker_scripts
+from hpc_garage.launchers.jobqueue.jobs import job_kwargs, submit_env, worker_scripts
+from hpc_garage.launchers.jobqueue.launcher import initial_workers, initial_layout
+from hpc_garage.launchers.jobqueue.scaling import PoolState, choose_pool, idle_jobs, pool_loads, pool_targets, task_weight
 from hpc_garage.launchers.jobqueue.worker import job_workers
-from hpc_garage.core.pools import (
-    UNTAGGED,
-    PoolState,
-    choose_pool,
-    idle_jobs,
-    job_shapes,
-    lifetime,
-    pool_loads,
-    pool_targets,
-    task_weight,
-    untagged_restrictions,
-    worker_names,
-)
+from hpc_garage.core.pools import UNTAGGED, job_shapes, lifetime, untagged_restrictions, worker_names
 from hpc_garage.schedulers.slurm import Slurm
 from hpc_garage.core.site import parse_site_dict
 from hpc_garage.sites import load_site

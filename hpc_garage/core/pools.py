@@ -1,8 +1,9 @@
-"""Pools of worker jobs (launcher: jobqueue): the shape of one job, where a task belongs, how many jobs to keep.
+"""Pools of worker jobs (launcher: jobqueue): the shape of one job, what its workers offer, how `show` says it.
 
 Pure: no I/O, no Dask. A pool is one full Site (`Site.pool_sites()`), so one worker job's workers are simply
-`layout(pool site, the allocation one job asks for)`. The launcher feeds the scheduler's state into
-`pool_targets` and submits or cancels jobs; the worker job runs the same layout on the allocation it got.
+`layout(pool site, the allocation one job asks for)`; the worker job runs the same layout on the allocation
+it got. How many jobs each pool keeps, and where an unplaced task counts, is the launcher's scaling policy
+(`hpc_garage.launchers.jobqueue.scaling`), built on the shapes and `fits` here.
 
 Placement across pools rests on Dask resources alone. Tagged tasks go wherever a worker holds what they ask
 (`GPU=1` → GPU workers, `MEMORY=200e9` → workers that big). Tasks with no resource tags get one marker
@@ -13,13 +14,13 @@ untagged tasks; a site with one pool places tasks exactly as Dask always does.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
 
 from hpc_garage.core.allocation import Allocation
+from hpc_garage.core.request import Request
 from hpc_garage.core.layout import Layout, WorkerSpec, describe, layout
 from hpc_garage.core.site import Site
 from hpc_garage.core.units import format_bytes, format_walltime
@@ -84,10 +85,10 @@ def job_shapes(site: Site) -> dict[str, JobShape]:
 def job_shape(pool: str, site: Site, *, untagged: bool = True, marker: bool = False) -> JobShape:
     """One job = one node, or one GPU slice of a node with the same share of its cores and memory."""
     jq = site.jobqueue
-    allocation = Allocation.from_request(
-        site, nodes=1, gpus_per_node=jq.gpus_per_job, cores_per_node=jq.cores_per_job,
+    allocation = Allocation.from_request(site, Request(
+        nodes=1, gpus_per_node=jq.gpus_per_job, cores_per_node=jq.cores_per_job,
         memory=jq.memory_per_job, walltime=site.walltime,
-    )
+    ))
     return JobShape(pool=pool, site=site, layout=layout(site, allocation), untagged=untagged, marker=marker)
 
 
@@ -140,90 +141,9 @@ EPSILON = 1e-9  # resource amounts are floats: 0.1 + 0.2 must fit in 0.3
 
 
 def fits(wanted: Mapping[str, float], offered: Mapping[str, float], used: Mapping[str, float] | None = None) -> bool:
-    """Whether `wanted` fits in what is offered and not used (the pool choice here; placement.py's hand-off)."""
+    """Whether `wanted` fits in what is offered and not used (the scaling's pool choice; placement.py's hand-off)."""
     used = used or {}
     return all(used.get(r, 0.0) + amount <= offered.get(r, 0.0) + EPSILON for r, amount in wanted.items())
-
-
-def choose_pool(restrictions: Mapping[str, float] | None, shapes: Sequence[JobShape]) -> str | None:
-    """The pool whose workers should take a task the cluster cannot place now, or None if none ever can.
-
-    Among the pools that fit, a task that asks for no GPU prefers pools without GPUs; then the site's order.
-    A task with no restrictions at all goes to a pool that takes untagged tasks.
-    """
-    wanted = dict(restrictions or {})
-    if not wanted:
-        return next((s.pool for s in shapes if s.untagged), None)
-    fitting = [s for s in shapes if any(fits(wanted, r) for r in s.worker_resources)]
-    if not wanted.get("GPU"):
-        fitting.sort(key=lambda s: s.gpus > 0)  # stable: keeps the site's order otherwise
-    return fitting[0].pool if fitting else None
-
-
-def task_weight(restrictions: Mapping[str, float] | None, shape: JobShape) -> float:
-    """The share of one worker a task takes while it runs: 1/k when k such tasks run on a worker at once."""
-    worker = max(shape.layout.workers, key=lambda w: w.nthreads)
-    slots = float(worker.nthreads)
-    resources = shape.worker_resources[shape.layout.workers.index(worker)]
-    for name, amount in (restrictions or {}).items():
-        if amount > 0 and name != UNTAGGED:
-            slots = min(slots, math.floor(resources.get(name, 0) / amount))
-    return 1.0 / max(1.0, slots)
-
-
-@dataclass(frozen=True)
-class PoolState:
-    """What the launcher sees of one pool at one moment."""
-
-    jobs: int  # worker jobs queued or running
-    load: float  # workers' worth of tasks: running or waiting on its workers, plus unplaced ones it should take
-    leaving: int = 0  # jobs whose workers retired, still in the queue: they count against the cap only
-
-
-def pool_loads(shapes: Sequence[JobShape], unplaced: Iterable[Mapping[str, float] | None],
-               assigned: Mapping[str, Iterable[Mapping[str, float] | None]]) -> dict[str, float]:
-    """Workers' worth of work per pool: tasks assigned to its workers, plus the unplaced tasks it should take."""
-    by_name = {s.pool: s for s in shapes}
-    load = {s.pool: 0.0 for s in shapes}
-    for pool, tasks in assigned.items():
-        if pool in by_name:
-            load[pool] += sum(task_weight(t, by_name[pool]) for t in tasks)
-    for restrictions in unplaced:
-        if (pool := choose_pool(restrictions, shapes)) is not None:
-            load[pool] += task_weight(restrictions, by_name[pool])
-    return load
-
-
-def pool_targets(shapes: Sequence[JobShape], states: Mapping[str, PoolState], cap: int) -> dict[str, int]:
-    """How many worker jobs each pool should have: its fixed count, or as many as its load needs within
-    minimum_jobs..maximum_jobs; never more than its own max_jobs_in_queue, nor `cap` for all pools together."""
-    wanted: dict[str, int] = {}
-    for shape in shapes:
-        fewest, most = shape.site.jobqueue.bounds
-        if shape.site.jobqueue.adaptive:
-            need = math.ceil(round(states[shape.pool].load, 6) / shape.workers_per_job)
-            wanted[shape.pool] = min(max(need, fewest), most)
-        else:
-            wanted[shape.pool] = fewest
-        own_room = shape.site.jobqueue.max_jobs_in_queue - states[shape.pool].leaving
-        wanted[shape.pool] = min(wanted[shape.pool], max(own_room, 0))
-    # growth shares what the run-wide cap leaves, in the site's order (a pool that shrinks frees room
-    # only once its jobs are gone); shrinking is never held back
-    room = cap - sum(states[s.pool].jobs + states[s.pool].leaving for s in shapes)
-    for shape in shapes:
-        have = states[shape.pool].jobs
-        if wanted[shape.pool] > have:
-            grow = max(0, min(wanted[shape.pool] - have, room))
-            wanted[shape.pool] = have + grow
-            room -= grow
-    return wanted
-
-
-def idle_jobs(busy_since: Mapping[str, float | None], now: float, idle_timeout: float, surplus: int) -> list[str]:
-    """Up to `surplus` jobs to cancel: those idle longest, and at least `idle_timeout` (None = never started)."""
-    never = [job for job, last in busy_since.items() if last is None]
-    idle = sorted((last, job) for job, last in busy_since.items() if last is not None and now - last >= idle_timeout)
-    return (never + [job for _, job in idle])[:max(0, surplus)]
 
 
 # ------------------------------------------------------------------------------------------------- showing

@@ -1,17 +1,13 @@
 """The jobqueue launcher: workers in batch jobs of their own, submitted and cancelled as work comes and goes.
 
 `hpc-garage run` keeps its one scheduler, in its own process, with TLS: every pool of worker jobs attaches
-to it. Per pool, a dask-jobqueue `SLURMCluster`/`PBSCluster` (so its own job classes, `job_script()`,
-`sbatch`/`qsub`, `scancel`/`qdel`, and SpecCluster's `<job>-<k>` worker naming) is pointed at that scheduler
-instead of starting one. What dask-jobqueue leaves out is added around it, not rewritten:
-- the job's command is `python -m hpc_garage.launchers.jobqueue.worker`, which reads the job's *real*
-  allocation and starts one Nanny per WorkerSpec of the layout, each pinned to its own GPU (see that module);
-- the job header gets the GPUs (`--gres=gpu:N`, `select=…:ngpus=N`), the exact memory, and its log file;
-- one loop here scales every pool: `pools.pool_targets` from the scheduler's own state (it lives in this
-  process), new jobs as work arrives, idle ones cancelled, retired ones replaced, never more than
-  `max_jobs_in_queue`, and a pool whose jobs keep failing is stopped rather than resubmitted forever;
-- tasks without resource tags get the UNTAGGED marker on the scheduler (a scheduler plugin), so they run
-  only on pools that take them, whichever client submitted them.
+to it, through a dask-jobqueue cluster per pool that is pointed at that scheduler instead of starting one
+(`jobs` renders and submits the jobs). One loop here scales every pool: it observes the scheduler's own
+state (it lives in this process) and asks the batch system about jobs whose workers have not arrived, and
+applies the policy of `scaling`: `pool_targets` per pool, new jobs as work arrives, idle ones cancelled,
+expiring and ended ones replaced, never more than `max_jobs_in_queue`, and a pool whose jobs keep failing
+stopped rather than resubmitted forever. Tasks without resource tags get the UNTAGGED marker on the
+scheduler (a scheduler plugin), so they run only on pools that take them, whichever client submitted them.
 Teardown cancels every job this run submitted; `abandon()` does it once more, synchronously, if the event
 loop was cut short. Worker jobs of a run that was killed outright exit after `death_timeout`.
 """
@@ -22,243 +18,72 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
-import shlex
-import signal
 import subprocess
 import sys
-import threading
 import time
 import warnings
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass, replace
-from pathlib import Path
+from dataclasses import asdict, replace
 from typing import Any
 
 from hpc_garage.compat import correct_state, scheduler_at
 from hpc_garage.core.errors import UserError
-from hpc_garage.launchers.common import Launcher, security_from
 from hpc_garage.core.layout import Layout, WorkerSpec
 from hpc_garage.core.pools import (
     POOL_RESOURCES_ENV,
     UNTAGGED,
-    JobShape,
-    PoolState,
-    idle_jobs,
     job_shapes,
-    lifetime,
-    pool_loads,
     pool_offers,
-    pool_targets,
     untagged_restrictions,
     worker_names,
 )
 from hpc_garage.core.site import Site
-from hpc_garage.core.units import format_walltime
+from hpc_garage.launchers.common import Launcher, security_from
+from hpc_garage.launchers.jobqueue.jobs import (
+    LOG_DIR,
+    WORKER_FILE_PREFIX,
+    Submissions,
+    _classes,
+    job_kwargs,
+    submit_env,
+    worker_job_file,
+    worker_job_name,
+)
+from hpc_garage.launchers.jobqueue.scaling import (
+    FINISHED,
+    LEFT_QUEUE,
+    RETIRE_GRACE,
+    STARTED,
+    TO_REPLACE,
+    WATCHED,
+    JobRecord,
+    JobState,
+    PoolState,
+    change,
+    ended_as,
+    expiring,
+    gives_up,
+    left_queue,
+    live_jobs,
+    pool_loads,
+    pool_state,
+    pool_targets,
+    retire_done,
+    stopped_as,
+    to_let_go,
+    waited,
+    worker_pools,
+    workers_gone,
+)
 
-WORKER_MODULE = "hpc_garage.launchers.jobqueue.worker"
-WORKER_FILE_PREFIX = "jobqueue-"  # <run dir>/jobqueue-<pool>.json: what a worker job reads (0600)
 JOBS_FILE = "worker-jobs.json"  # <run dir>/worker-jobs.json: every worker job of the run, and the events
-LOG_DIR = "worker-logs"
 INTERVAL = 1.0  # seconds between scaling decisions
-GONE_AFTER = 5.0  # a started job whose workers have all been gone this long has ended
-RETIRE_GRACE = 3.0  # seconds a retired job gets to end by itself before it is cancelled
-REPLACE_AHEAD = 60.0  # a job is replaced this long (or twice its queue wait) before its workers' lifetime ends
 POLL_EVERY = 5.0  # seconds between asking the batch system about jobs whose workers have not arrived
-FAILURES_BEFORE_GIVING_UP = 3  # worker jobs of a pool that end without a worker, in a row
 
 log = logging.getLogger("hpc_garage.jobqueue")
 
 
 def say(message: str) -> None:
     print(f"hpc-garage: {message}", file=sys.stderr, flush=True)
-
-
-# ---------------------------------------------------------------------------------- the worker job script
-
-
-def submit_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment `sbatch`/`qsub` run in: the driver's, without its own job's variables and GPUs."""
-    from hpc_garage.schedulers.base import submit_env as scrubbed
-
-    return scrubbed(os.environ if env is None else env)
-
-
-def job_kwargs(shape: JobShape, *, plan_file: str, log_dir: str, job_name: str,
-               python: str | None = None) -> dict[str, Any]:
-    """dask-jobqueue's keyword arguments for one pool's worker jobs. Every value that reaches the job
-    script is checked as the submit path checks it (dask-jobqueue writes its values unquoted)."""
-    from hpc_garage.schedulers.jobscript import directive, plain
-
-    site, jq = shape.site, shape.site.jobqueue
-    python = python or (os.path.expanduser(site.python) if site.python else sys.executable)
-    common: dict[str, Any] = {
-        "cores": shape.cores,
-        "memory": shape.memory,
-        "processes": shape.workers_per_job,
-        "worker_threads": shape.layout.workers[0].nthreads,
-        "worker_memory_limit": shape.layout.workers[0].memory_limit,
-        "job_name": plain(job_name, "worker job name"),
-        "walltime": format_walltime(shape.walltime),
-        "python": shlex.quote(python),
-        "worker_command": WORKER_MODULE,
-        "worker_extra_args": ["--hpc-garage-worker-file", shlex.quote(plan_file)],
-        "death_timeout": jq.death_timeout,
-        "job_script_prologue": list(site.setup),
-        "job_directives_skip": [],
-        "shebang": "#!/usr/bin/env bash",
-        "log_directory": None,  # dask-jobqueue would create it while rendering; the log directive is ours
-        "interface": None,  # the worker reads the site's interface itself
-        "local_directory": None,  # expanded inside the job, where $TMPDIR means something
-    }
-    from hpc_garage.schedulers import get
-    from hpc_garage.schedulers.base import WorkerJob
-
-    job = WorkerJob(
-        pool=shape.pool, cores=shape.cores, memory=shape.memory, gpus=shape.gpus, gpu_type=site.node.gpu_type,
-        queue=plain(site.queue, "queue") if site.queue else None,
-        account=plain(site.account, "account") if site.account else None, qos=site.qos,
-        log_dir=plain(log_dir, "the run directory (worker job logs go there)"),
-        directives=tuple(directive(d, "a directive of the site") for d in site.directives),
-    )
-    return common | get(site.scheduler).worker_job_options(job)
-
-
-def _classes(scheduler: str) -> tuple[type, type]:
-    """dask-jobqueue's job and cluster classes for this batch system, with the few changes the launcher needs."""
-    from hpc_garage.compat import attached_spec_cluster, hooked_job
-
-    previous = signal.getsignal(signal.SIGINT)
-    from dask_jobqueue import PBSCluster, SLURMCluster
-    from dask_jobqueue.pbs import PBSJob
-    from dask_jobqueue.slurm import SLURMJob
-
-    if threading.current_thread() is threading.main_thread() and previous is not None:
-        # dask_jobqueue.runner sets SIGINT to `sys.exit()` when imported (0.9.0): Ctrl-C would then skip
-        # `run`'s teardown, leaving worker jobs in the queue. Put back whatever handled it before.
-        signal.signal(signal.SIGINT, previous)
-
-    base_cluster, base_job = (SLURMCluster, SLURMJob) if scheduler == "slurm" else (PBSCluster, PBSJob)
-
-    class PoolJob(hooked_job(base_job)):  # type: ignore[misc]
-        submissions: Submissions | None = None  # set by the launcher: every job id this run was given
-
-        def __init__(self, *args: Any, worker_threads: int | None = None, worker_memory_limit: int | None = None,
-                     **kwargs: Any) -> None:
-            # the command line then shows each worker's threads and memory limit as the layout gives them
-            self._layout = (worker_threads, worker_memory_limit)
-            super().__init__(*args, **kwargs)
-
-        @property
-        def worker_process_threads(self) -> int:
-            return self._layout[0] or super().worker_process_threads
-
-        @property
-        def worker_process_memory(self) -> str:
-            from dask.utils import format_bytes
-
-            limit = self._layout[1]
-            return format_bytes(limit).replace(" ", "") if limit else super().worker_process_memory
-
-        @staticmethod
-        def call_options() -> dict[str, Any]:
-            # a clean environment (see submit_env), and out of the terminal's process group: a Ctrl-C meant
-            # for `run` must not kill the sbatch or scancel under way
-            return {"env": submit_env(), "start_new_session": True}
-
-        def submitted(self, submission: asyncio.Future[str], parse: Any) -> None:
-            # its job id is recorded even if whoever awaits it is cancelled: a job submitted by an
-            # interrupted start-up is still one to cancel
-            if self.submissions is not None:
-                self.submissions.track(submission, parse)
-
-    class PoolCluster(attached_spec_cluster(base_cluster)):  # type: ignore[misc]
-        """One pool's jobs, attached to `run`'s scheduler; the launcher (not SpecCluster) replaces ended jobs."""
-
-        job_cls = PoolJob
-
-    return PoolJob, PoolCluster
-
-
-class Submissions:
-    """Every job id sbatch/qsub gave this run, and the submissions still under way."""
-
-    def __init__(self) -> None:
-        self.ids: list[str] = []
-        self.inflight: set[asyncio.Future[str]] = set()
-
-    def track(self, submission: asyncio.Future[str], parse: Any) -> None:
-        self.inflight.add(submission)
-
-        def done(f: asyncio.Future[str]) -> None:
-            self.inflight.discard(f)
-            if not f.cancelled() and f.exception() is None:
-                with contextlib.suppress(ValueError):
-                    self.ids.append(str(parse(f.result())))
-
-        submission.add_done_callback(done)
-
-    async def settle(self, timeout: float = 60) -> None:
-        """Wait for submissions under way, so their ids are known before cancelling."""
-        if self.inflight:
-            await asyncio.wait(list(self.inflight), timeout=timeout)
-
-
-def worker_job_name(pool: str, run_id: str) -> str:
-    return f"hpcg-{pool}-{run_id}"[:64]
-
-
-def worker_scripts(site: Site, *, run_root: Path | None = None) -> str:
-    """The worker job script of every pool, as it will be submitted (run-specific values as placeholders)."""
-    from distributed.security import Security
-
-    from hpc_garage.schedulers.submission import run_root as site_run_root
-
-    run_dir = (run_root or site_run_root(site)) / "RUN_ID"
-    cert, key = str(run_dir / "tls" / "cert.pem"), str(run_dir / "tls" / "key.pem")
-    security = Security(require_encryption=True, tls_ca_file=cert, tls_worker_cert=cert, tls_worker_key=key)
-    parts = []
-    for pool, shape in job_shapes(site).items():
-        job_cls, _ = _classes(shape.site.scheduler)
-        kwargs = job_kwargs(shape, plan_file=str(run_dir / f"{WORKER_FILE_PREFIX}{pool}.json"),
-                            log_dir=str(run_dir / LOG_DIR), job_name=worker_job_name(pool, "RUN_ID"))
-        job = job_cls(scheduler="tls://SCHEDULER:PORT", name=f"{pool}-0", security=security,
-                      protocol="tls://", **kwargs)
-        fewest, most = shape.site.jobqueue.bounds
-        scaling = f"{fewest}..{most} jobs, adaptive" if shape.site.jobqueue.adaptive else f"{fewest} job(s)"
-        parts.append(f"# ---- worker job of pool {pool} ({scaling}; {shape.workers_per_job} workers per job) ----\n"
-                     + job.job_script())
-    return "\n".join(parts)
-
-
-def worker_job_file(site: Site, pool: str, *, address: str, tls: dict[str, str] | None,
-                worker_env: dict[str, str]) -> dict[str, Any]:
-    """What a worker job of `pool` reads at start-up: the site as written, the scheduler, TLS, environment."""
-    pool_site = site.pool_sites()[pool]
-    return {"site": site.raw, "pool": pool, "address": address, "tls": tls,
-            "env": {**worker_env, **pool_site.env}}
-
-
-# --------------------------------------------------------------------------------------------- the launcher
-
-
-@dataclass
-class JobRecord:
-    """One worker job as the launcher follows it."""
-
-    pool: str
-    name: str  # the SpecCluster's name for it; its workers are <name>-<k>
-    job_id: str | None = None
-    state: str = "submitting"  # submitting pending running expiring retiring | ended retired cancelled failed
-    nodes: str | None = None
-    submitted: float | None = None  # epoch seconds
-    started: float | None = None  # first worker registered
-    finished: float | None = None
-    last_seen: float = 0.0  # monotonic: a worker of it was registered
-    busy: float | None = None  # monotonic: a worker of it last had tasks (idle since start counts from start)
-    retiring: float | None = None  # monotonic: its workers were retired (idle), the job is ending
-    started_at: float | None = None  # monotonic twin of `started`
-    workers: int = 0  # registered now
 
 
 def initial_layout(site: Site) -> tuple[Layout, list[str]]:
@@ -352,7 +177,8 @@ class JobqueueLauncher(Launcher):
         if self.stopped_pools:
             return "; ".join(self.stopped_pools.values())
         for rec in self.jobs.values():
-            if rec.state == "failed" and any(n in self.initial for n in worker_names(rec.name, self._per_job(rec.pool))):
+            if rec.state == JobState.FAILED and any(n in self.initial
+                                                    for n in worker_names(rec.name, self._per_job(rec.pool))):
                 return self._failure_text(rec)
         return None
 
@@ -373,12 +199,9 @@ class JobqueueLauncher(Launcher):
             except Exception as exc:  # noqa: BLE001 - the sweep below cancels what is left
                 log.debug("closing pool %s: %r", pool, exc)
         for rec in self.jobs.values():
-            if rec.state == "retiring" and rec.workers == 0:
-                rec.state, rec.finished = "retired", time.time()
-                self._event("retired", rec)
-            elif rec.state in ("submitting", "pending", "running", "expiring", "retiring"):
-                rec.state, rec.finished = "cancelled", time.time()
-                self._event("cancel", rec)
+            if (state := stopped_as(rec)) is not None:
+                rec.state, rec.finished = state, time.time()
+                self._event("retired" if state == JobState.RETIRED else "cancel", rec)
         await self.submissions.settle()
         await asyncio.to_thread(self._cancel_leftovers)
         for plan_file in self.rundir.path.glob(f"{WORKER_FILE_PREFIX}*.json") if self.rundir else []:
@@ -391,8 +214,7 @@ class JobqueueLauncher(Launcher):
         wait that moment, so they end COMPLETED rather than CANCELLED. What is left is cancelled after."""
         from hpc_garage.schedulers import get
 
-        waiting = {r.job_id: r for r in self.jobs.values()
-                   if r.job_id and r.state in ("running", "expiring", "retiring")}
+        waiting = {r.job_id: r for r in self.jobs.values() if r.job_id and r.state in STARTED}
         deadline = time.monotonic() + grace
         batch = get(self.site.scheduler)
         while waiting and time.monotonic() < deadline:
@@ -402,8 +224,8 @@ class JobqueueLauncher(Launcher):
                 return
             for job_id in [i for i in waiting if i not in statuses or statuses[i].phase == "finished"]:
                 rec = waiting.pop(job_id)
-                rec.state, rec.finished = ("retired" if rec.state == "retiring" else "ended"), time.time()
-                self._event(rec.state, rec)
+                rec.state, rec.finished = ended_as(rec), time.time()
+                self._event(str(rec.state), rec)
             if waiting:
                 await asyncio.sleep(0.5)
 
@@ -433,7 +255,7 @@ class JobqueueLauncher(Launcher):
         if now - self.last_poll >= POLL_EVERY:
             self.last_poll = now
             await self._poll_batch_system()
-        for rec in [r for r in self.jobs.values() if r.state in ("ended", "failed") and r.name in
+        for rec in [r for r in self.jobs.values() if r.state in TO_REPLACE and r.name in
                     self.clusters[r.pool].worker_spec]:
             await self.clusters[rec.pool].scale_down([rec.name])  # gone: out of the cluster's spec, so it is replaced
         await self._finish_retired(now)
@@ -442,10 +264,11 @@ class JobqueueLauncher(Launcher):
             live = self._live(pool)
             if pool in self.stopped_pools or self.draining_now:
                 continue
-            if targets[pool] > len(live):
-                await self._grow(pool, cluster, targets[pool] - len(live))
-            elif targets[pool] < len(live) and self.shapes[pool].site.jobqueue.adaptive:
-                await self._shrink(pool, cluster, len(live) - targets[pool], now)
+            more = change(targets[pool], len(live), self.shapes[pool].site.jobqueue.adaptive)
+            if more > 0:
+                await self._grow(pool, cluster, more)
+            elif more < 0:
+                await self._shrink(pool, cluster, -more, now)
         self._write_jobs()
 
     def _observe(self, now: float) -> None:
@@ -453,30 +276,30 @@ class JobqueueLauncher(Launcher):
         for pool, cluster in self.clusters.items():
             for name in list(cluster.worker_spec):
                 rec = self.jobs.get(name)
-                if rec is None or rec.state in ("ended", "failed", "cancelled", "retired"):
+                if rec is None or rec.state in FINISHED:
                     continue
                 job = cluster.workers.get(name)
                 if rec.job_id is None and job is not None and getattr(job, "job_id", None):
-                    rec.job_id, rec.state = str(job.job_id), "pending"
+                    rec.job_id, rec.state = str(job.job_id), JobState.PENDING
                     self._event("submitted", rec)
                 present = [registered[n] for n in worker_names(name, self._per_job(pool)) if n in registered]
                 rec.workers = len(present)
-                if rec.state == "retiring":
+                if rec.state == JobState.RETIRING:
                     continue
                 if present:
                     if rec.started is None:
-                        rec.started, rec.started_at, rec.state, rec.busy = time.time(), now, "running", now
+                        rec.started, rec.started_at, rec.state, rec.busy = time.time(), now, JobState.RUNNING, now
                         self._event("running", rec)
                         self.failed_in_row[pool] = 0
-                        self.queue_wait[pool] = rec.started - (rec.submitted or rec.started)
+                        self.queue_wait[pool] = waited(rec)
                     rec.last_seen = now
-                    if rec.state == "running" and now >= self._retires_at(rec) - self._ahead(pool):
-                        rec.state = "expiring"  # its replacement is submitted now, so no gap opens
+                    if expiring(rec, self.shapes[pool], now, self.queue_wait.get(pool, 0.0)):
+                        rec.state = JobState.EXPIRING  # its replacement is submitted now, so no gap opens
                         self._event("expiring", rec)
                     if any(ws.processing for ws in present):
                         rec.busy = now
-                elif rec.started is not None and now - rec.last_seen > GONE_AFTER:
-                    rec.state, rec.finished = "ended", time.time()  # retired (lifetime) or killed: replace it
+                elif workers_gone(rec, now):
+                    rec.state, rec.finished = JobState.ENDED, time.time()  # retired (lifetime) or killed: replace it
                     self._event("ended", rec)
 
     async def _poll_batch_system(self) -> None:
@@ -484,8 +307,7 @@ class JobqueueLauncher(Launcher):
         them failed; record where running jobs run."""
         from hpc_garage.schedulers import get
 
-        waiting = {r.job_id: r for r in self.jobs.values()
-                   if r.job_id and r.state in ("pending", "running", "expiring")}
+        waiting = {r.job_id: r for r in self.jobs.values() if r.job_id and r.state in WATCHED}
         if not waiting:
             return
         batch = get(self.site.scheduler)
@@ -498,25 +320,26 @@ class JobqueueLauncher(Launcher):
             status = statuses.get(job_id)
             if status is not None and status.nodes:
                 rec.nodes = status.nodes
-            gone = status is None or status.phase == "finished"
-            if gone and rec.started is None:
-                rec.state, rec.finished = "failed", time.time()
+            if status is not None and status.phase != "finished":
+                continue
+            state = left_queue(rec)
+            if state == JobState.FAILED:
+                rec.state, rec.finished = state, time.time()
                 self._event("failed", rec)
                 self.failed_in_row[rec.pool] += 1
                 say(f"warning: {self._failure_text(rec)}")
-                if self.failed_in_row[rec.pool] >= FAILURES_BEFORE_GIVING_UP:
+                if gives_up(self.failed_in_row[rec.pool]):
                     self.stopped_pools[rec.pool] = (
                         f"{self.failed_in_row[rec.pool]} worker jobs of pool {rec.pool} in a row ended before their "
                         f"workers registered; no more are submitted for it (last: {self._failure_text(rec)})")
                     say(f"error: {self.stopped_pools[rec.pool]}")
-            elif gone and rec.state in ("running", "expiring") and rec.workers == 0:
-                rec.state, rec.finished = "ended", time.time()
+            elif state == JobState.ENDED:
+                rec.state, rec.finished = state, time.time()
                 self._event("ended", rec)
 
     def _pool_states(self) -> dict[str, PoolState]:
         """Each pool's jobs and load, read from the scheduler's own state (it lives in this process)."""
-        owner = {n: rec.pool for rec in self.jobs.values() if rec.state in ("pending", "running", "expiring")
-                 for n in worker_names(rec.name, self._per_job(rec.pool))}
+        owner = worker_pools(self.jobs.values(), {pool: self._per_job(pool) for pool in self.shapes})
         assigned: dict[str, list[Any]] = {pool: [] for pool in self.shapes}
         for ws in self.scheduler.workers.values():
             if (pool := owner.get(ws.name)) is not None:
@@ -524,10 +347,7 @@ class JobqueueLauncher(Launcher):
         unplaced = [ts.resource_restrictions for ts in self.scheduler.unrunnable]
         unplaced += [None] * len(self.scheduler.queued)
         loads = pool_loads(list(self.shapes.values()), unplaced, assigned)
-        leaving = {pool: sum(1 for r in self.jobs.values() if r.pool == pool and r.state in ("retiring", "expiring"))
-                   for pool in self.shapes}
-        return {pool: PoolState(jobs=len(self._live(pool)), load=loads[pool], leaving=leaving[pool])
-                for pool in self.shapes}
+        return {pool: pool_state(self.jobs.values(), pool, loads[pool]) for pool in self.shapes}
 
     async def _grow(self, pool: str, cluster: Any, count: int) -> None:
         """Add job specs as SpecCluster.scale does, and submit them now, so a refusal is seen here."""
@@ -549,7 +369,7 @@ class JobqueueLauncher(Launcher):
                     if job is not None:
                         job.status = Status.failed  # never started: nothing for SpecCluster to close
                     rec = self.jobs[name]
-                    rec.state, rec.finished = "failed", time.time()
+                    rec.state, rec.finished = JobState.FAILED, time.time()
                     self._event("failed", rec)
                     del cluster.worker_spec[name]
                     cluster.workers.pop(name, None)
@@ -562,12 +382,12 @@ class JobqueueLauncher(Launcher):
         to other workers, then their processes exit and the job ends by itself: see `_finish_retired`)."""
         live = {r.name: r for r in self._live(pool)}
         timeout = self.shapes[pool].site.jobqueue.idle_timeout
-        chosen = idle_jobs({n: (r.busy if r.started else None) for n, r in live.items()}, now, timeout, surplus)
+        chosen = to_let_go(live.values(), now, timeout, surplus)
         for name in chosen:
             rec = live[name]
             if rec.started is None:
                 await cluster.scale_down([name])  # scancel: still queued (or just starting)
-                rec.state, rec.finished = "cancelled", time.time()
+                rec.state, rec.finished = JobState.CANCELLED, time.time()
                 self._event("cancel", rec)
                 continue
             names = worker_names(name, self._per_job(pool))
@@ -578,30 +398,20 @@ class JobqueueLauncher(Launcher):
                 continue
             if len(retired) < rec.workers:
                 continue  # data that no other worker can take: keep the job for now
-            rec.state, rec.retiring = "retiring", now
+            rec.state, rec.retiring = JobState.RETIRING, now
             self._event("retire", rec)
 
     async def _finish_retired(self, now: float) -> None:
         """A retired job whose workers have left is out of the cluster's spec; scancel only if it lingers."""
-        for rec in [r for r in self.jobs.values() if r.state == "retiring"]:
-            if rec.workers == 0 and now - (rec.retiring or now) >= RETIRE_GRACE:
-                await self.clusters[rec.pool].scale_down([rec.name])  # scancel: harmless once it has ended
-                rec.state, rec.finished = "retired", time.time()
-                self._event("retired", rec)
+        for rec in [r for r in self.jobs.values() if retire_done(r, now)]:
+            await self.clusters[rec.pool].scale_down([rec.name])  # scancel: harmless once it has ended
+            rec.state, rec.finished = JobState.RETIRED, time.time()
+            self._event("retired", rec)
 
     # ---- bookkeeping
 
-    def _retires_at(self, rec: JobRecord) -> float:
-        """When the first worker of a job may retire (monotonic), from its pool's lifetime."""
-        life, stagger = lifetime(self.shapes[rec.pool].site)
-        return (rec.started_at or time.monotonic()) + life - stagger
-
-    def _ahead(self, pool: str) -> float:
-        life, _ = lifetime(self.shapes[pool].site)
-        return min(max(REPLACE_AHEAD, 2 * self.queue_wait.get(pool, 0.0)), life / 2)
-
     def _live(self, pool: str) -> list[JobRecord]:
-        return [r for r in self.jobs.values() if r.pool == pool and r.state in ("submitting", "pending", "running")]
+        return live_jobs(self.jobs.values(), pool)
 
     def _per_job(self, pool: str) -> int:
         return self.shapes[pool].workers_per_job
@@ -640,7 +450,7 @@ class JobqueueLauncher(Launcher):
         """One `scancel`/`qdel` for the jobs that may still be queued or running."""
         from hpc_garage.schedulers import get
 
-        done = {r.job_id for r in self.jobs.values() if r.state in ("ended", "failed", "retired")}
+        done = {r.job_id for r in self.jobs.values() if r.state in LEFT_QUEUE}
         ids = sorted({i for i in self.submissions.ids if every or i not in done})
         if not ids:
             return

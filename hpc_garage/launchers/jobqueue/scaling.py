@@ -1,0 +1,263 @@
+"""The jobqueue launcher's scaling policy: what a worker job's state is, and how many jobs each pool needs.
+
+Pure: no I/O, no Dask, no asyncio, no clock. The launcher reads the scheduler and the batch system, passes
+the time in (`now`: monotonic seconds, as the records keep it), and applies what is decided here; so every
+rule can be tested with plain numbers.
+
+A worker job moves SUBMITTING → PENDING (the batch system gave it an id) → RUNNING (a worker registered),
+then EXPIRING (its workers' lifetime is near: a replacement is submitted now, so no gap opens) or RETIRING
+(idle: its workers were told to leave). It finishes as ENDED (its workers are gone), RETIRED, CANCELLED, or
+FAILED (it left the queue before any worker registered, or was refused). A pool whose jobs keep failing is
+stopped rather than resubmitted forever.
+
+Placement across pools rests on Dask resources (see `hpc_garage.core.pools`): a task the cluster cannot place
+now counts towards the pool that should take it (`choose_pool`), in workers' worth (`task_weight`).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from hpc_garage.core.pools import UNTAGGED, JobShape, fits, lifetime, worker_names
+
+GONE_AFTER = 5.0  # a started job whose workers have all been gone this long has ended
+RETIRE_GRACE = 3.0  # seconds a retired job gets to end by itself before it is cancelled
+REPLACE_AHEAD = 60.0  # a job is replaced this long (or twice its queue wait) before its workers' lifetime ends
+FAILURES_BEFORE_GIVING_UP = 3  # worker jobs of a pool that end without a worker, in a row
+
+
+# ------------------------------------------------------------------------------------------------ one job
+
+
+class JobState(enum.StrEnum):
+    """Where one worker job is. A StrEnum: the jobs file and its readers see the same words as before."""
+
+    SUBMITTING = "submitting"  # its spec is in the cluster, sbatch/qsub under way
+    PENDING = "pending"  # queued: it has a job id, no worker yet
+    RUNNING = "running"  # a worker of it registered
+    EXPIRING = "expiring"  # running, its replacement already submitted (lifetime nearly over)
+    RETIRING = "retiring"  # idle: its workers were retired, the job ends by itself
+    ENDED = "ended"  # its workers are gone (lifetime, walltime, killed) or it left the queue after starting
+    RETIRED = "retired"  # retired and out of the queue
+    CANCELLED = "cancelled"  # cancelled by the launcher (idle before it started, or at the end of the run)
+    FAILED = "failed"  # left the queue before any worker registered, or sbatch/qsub refused it
+
+
+# finished: out of the queue, or about to be; nothing more is decided about it
+FINISHED: frozenset[JobState] = frozenset({JobState.ENDED, JobState.RETIRED, JobState.CANCELLED, JobState.FAILED})
+# may still be queued or running: the end of the run cancels it
+UNFINISHED: frozenset[JobState] = frozenset(JobState) - FINISHED
+# one of its pool's jobs, as `pool_targets` counts them
+LIVE: frozenset[JobState] = frozenset({JobState.SUBMITTING, JobState.PENDING, JobState.RUNNING})
+# on its way out, still in the queue: counts against the queue caps only
+LEAVING: frozenset[JobState] = frozenset({JobState.EXPIRING, JobState.RETIRING})
+# has a job id and workers to come or at work: the batch system is asked about it, its tasks are its pool's load
+WATCHED: frozenset[JobState] = frozenset({JobState.PENDING, JobState.RUNNING, JobState.EXPIRING})
+# started: ends by itself once its workers leave, so the end of the run waits a moment for it
+STARTED: frozenset[JobState] = frozenset({JobState.RUNNING, JobState.EXPIRING, JobState.RETIRING})
+# ended without being asked: taken out of its cluster's spec, so a new job takes its place
+TO_REPLACE: frozenset[JobState] = frozenset({JobState.ENDED, JobState.FAILED})
+# known to be out of the batch queue: nothing left to cancel
+LEFT_QUEUE: frozenset[JobState] = frozenset({JobState.ENDED, JobState.FAILED, JobState.RETIRED})
+
+
+@dataclass
+class JobRecord:
+    """One worker job as the launcher follows it (written as is to the run's jobs file)."""
+
+    pool: str
+    name: str  # the SpecCluster's name for it; its workers are <name>-<k>
+    job_id: str | None = None
+    state: JobState = JobState.SUBMITTING
+    nodes: str | None = None
+    submitted: float | None = None  # epoch seconds
+    started: float | None = None  # first worker registered
+    finished: float | None = None
+    last_seen: float = 0.0  # monotonic: a worker of it was registered
+    busy: float | None = None  # monotonic: a worker of it last had tasks (idle since start counts from start)
+    retiring: float | None = None  # monotonic: its workers were retired (idle), the job is ending
+    started_at: float | None = None  # monotonic twin of `started`
+    workers: int = 0  # registered now
+
+
+def retires_at(rec: JobRecord, shape: JobShape, now: float) -> float:
+    """When the first worker of a job may retire (monotonic), from its pool's lifetime (`now` if not started)."""
+    life, stagger = lifetime(shape.site)
+    return (rec.started_at or now) + life - stagger
+
+
+def ahead(shape: JobShape, queue_wait: float) -> float:
+    """How long before its workers retire a job is replaced: REPLACE_AHEAD, or twice the pool's last queue
+    wait if longer (the replacement must have started by then), but never more than half the lifetime."""
+    life, _ = lifetime(shape.site)
+    return min(max(REPLACE_AHEAD, 2 * queue_wait), life / 2)
+
+
+def expiring(rec: JobRecord, shape: JobShape, now: float, queue_wait: float) -> bool:
+    """Whether a running job is now to be replaced, before its workers' lifetime ends."""
+    return rec.state == JobState.RUNNING and now >= retires_at(rec, shape, now) - ahead(shape, queue_wait)
+
+
+def waited(rec: JobRecord) -> float:
+    """Seconds from a started job's submission to its first worker: its pool's queue wait, last seen."""
+    started = rec.started or 0.0
+    return started - (rec.submitted or started)
+
+
+def workers_gone(rec: JobRecord, now: float) -> bool:
+    """Whether a started job none of whose workers is registered has ended: gone longer than GONE_AFTER
+    (retired at the end of their lifetime, or killed), so a new job replaces it."""
+    return rec.started is not None and now - rec.last_seen > GONE_AFTER
+
+
+def retire_done(rec: JobRecord, now: float) -> bool:
+    """Whether a retiring job is finished: its workers have left and it had RETIRE_GRACE to end by itself."""
+    return rec.state == JobState.RETIRING and rec.workers == 0 and now - (rec.retiring or now) >= RETIRE_GRACE
+
+
+def left_queue(rec: JobRecord) -> JobState | None:
+    """What a watched job the batch system no longer runs becomes: FAILED if no worker of it ever registered,
+    ENDED if its workers are gone too; None while its workers are still registered (they end it when they go)."""
+    if rec.started is None:
+        return JobState.FAILED
+    if rec.state in (JobState.RUNNING, JobState.EXPIRING) and rec.workers == 0:
+        return JobState.ENDED
+    return None
+
+
+def ended_as(rec: JobRecord) -> JobState:
+    """What a started job that left the queue by itself at the end of the run is: RETIRED if it was retiring."""
+    return JobState.RETIRED if rec.state == JobState.RETIRING else JobState.ENDED
+
+
+def stopped_as(rec: JobRecord) -> JobState | None:
+    """What a job is once the run's pools are closed: RETIRED if its workers had left, else CANCELLED if it
+    may still be queued or running; None if it was finished already."""
+    if rec.state == JobState.RETIRING and rec.workers == 0:
+        return JobState.RETIRED
+    return JobState.CANCELLED if rec.state in UNFINISHED else None
+
+
+def gives_up(failures_in_row: int) -> bool:
+    """Whether a pool stops submitting: FAILURES_BEFORE_GIVING_UP of its jobs in a row ended before any of
+    their workers registered (a wrong queue, a broken environment: resubmitting would only repeat it)."""
+    return failures_in_row >= FAILURES_BEFORE_GIVING_UP
+
+
+# --------------------------------------------------------------------------------------------- one pool
+
+
+def live_jobs(records: Iterable[JobRecord], pool: str) -> list[JobRecord]:
+    """The jobs that count as `pool`'s jobs: submitting, queued or running, not leaving."""
+    return [r for r in records if r.pool == pool and r.state in LIVE]
+
+
+def worker_pools(records: Iterable[JobRecord], per_job: Mapping[str, int]) -> dict[str, str]:
+    """Worker name → pool, for the workers of watched jobs (those whose tasks are their pool's load)."""
+    return {n: r.pool for r in records if r.state in WATCHED for n in worker_names(r.name, per_job[r.pool])}
+
+
+def pool_state(records: Iterable[JobRecord], pool: str, load: float) -> PoolState:
+    """What `pool_targets` sees of one pool: its live jobs, its load, and its jobs on their way out."""
+    records = list(records)
+    return PoolState(jobs=len(live_jobs(records, pool)), load=load,
+                     leaving=sum(1 for r in records if r.pool == pool and r.state in LEAVING))
+
+
+def change(target: int, live: int, adaptive: bool) -> int:
+    """Jobs to submit (> 0) or to let go (< 0) for a pool: only an adaptive pool lets jobs go."""
+    if target > live or (target < live and adaptive):
+        return target - live
+    return 0
+
+
+def to_let_go(live: Iterable[JobRecord], now: float, idle_timeout: float, surplus: int) -> list[str]:
+    """Which of a pool's live jobs to cancel or retire: not started yet first, then the longest idle."""
+    return idle_jobs({r.name: (r.busy if r.started else None) for r in live}, now, idle_timeout, surplus)
+
+
+# ----------------------------------------------------------------------------------- where tasks go, how many
+
+
+def choose_pool(restrictions: Mapping[str, float] | None, shapes: Sequence[JobShape]) -> str | None:
+    """The pool whose workers should take a task the cluster cannot place now, or None if none ever can.
+
+    Among the pools that fit, a task that asks for no GPU prefers pools without GPUs; then the site's order.
+    A task with no restrictions at all goes to a pool that takes untagged tasks.
+    """
+    wanted = dict(restrictions or {})
+    if not wanted:
+        return next((s.pool for s in shapes if s.untagged), None)
+    fitting = [s for s in shapes if any(fits(wanted, r) for r in s.worker_resources)]
+    if not wanted.get("GPU"):
+        fitting.sort(key=lambda s: s.gpus > 0)  # stable: keeps the site's order otherwise
+    return fitting[0].pool if fitting else None
+
+
+def task_weight(restrictions: Mapping[str, float] | None, shape: JobShape) -> float:
+    """The share of one worker a task takes while it runs: 1/k when k such tasks run on a worker at once."""
+    worker = max(shape.layout.workers, key=lambda w: w.nthreads)
+    slots = float(worker.nthreads)
+    resources = shape.worker_resources[shape.layout.workers.index(worker)]
+    for name, amount in (restrictions or {}).items():
+        if amount > 0 and name != UNTAGGED:
+            slots = min(slots, math.floor(resources.get(name, 0) / amount))
+    return 1.0 / max(1.0, slots)
+
+
+@dataclass(frozen=True)
+class PoolState:
+    """What the launcher sees of one pool at one moment."""
+
+    jobs: int  # worker jobs queued or running
+    load: float  # workers' worth of tasks: running or waiting on its workers, plus unplaced ones it should take
+    leaving: int = 0  # jobs whose workers retired, still in the queue: they count against the cap only
+
+
+def pool_loads(shapes: Sequence[JobShape], unplaced: Iterable[Mapping[str, float] | None],
+               assigned: Mapping[str, Iterable[Mapping[str, float] | None]]) -> dict[str, float]:
+    """Workers' worth of work per pool: tasks assigned to its workers, plus the unplaced tasks it should take."""
+    by_name = {s.pool: s for s in shapes}
+    load = {s.pool: 0.0 for s in shapes}
+    for pool, tasks in assigned.items():
+        if pool in by_name:
+            load[pool] += sum(task_weight(t, by_name[pool]) for t in tasks)
+    for restrictions in unplaced:
+        if (pool := choose_pool(restrictions, shapes)) is not None:
+            load[pool] += task_weight(restrictions, by_name[pool])
+    return load
+
+
+def pool_targets(shapes: Sequence[JobShape], states: Mapping[str, PoolState], cap: int) -> dict[str, int]:
+    """How many worker jobs each pool should have: its fixed count, or as many as its load needs within
+    minimum_jobs..maximum_jobs; never more than its own max_jobs_in_queue, nor `cap` for all pools together."""
+    wanted: dict[str, int] = {}
+    for shape in shapes:
+        fewest, most = shape.site.jobqueue.bounds
+        if shape.site.jobqueue.adaptive:
+            need = math.ceil(round(states[shape.pool].load, 6) / shape.workers_per_job)
+            wanted[shape.pool] = min(max(need, fewest), most)
+        else:
+            wanted[shape.pool] = fewest
+        own_room = shape.site.jobqueue.max_jobs_in_queue - states[shape.pool].leaving
+        wanted[shape.pool] = min(wanted[shape.pool], max(own_room, 0))
+    # growth shares what the run-wide cap leaves, in the site's order (a pool that shrinks frees room
+    # only once its jobs are gone); shrinking is never held back
+    room = cap - sum(states[s.pool].jobs + states[s.pool].leaving for s in shapes)
+    for shape in shapes:
+        have = states[shape.pool].jobs
+        if wanted[shape.pool] > have:
+            grow = max(0, min(wanted[shape.pool] - have, room))
+            wanted[shape.pool] = have + grow
+            room -= grow
+    return wanted
+
+
+def idle_jobs(busy_since: Mapping[str, float | None], now: float, idle_timeout: float, surplus: int) -> list[str]:
+    """Up to `surplus` jobs to cancel: those idle longest, and at least `idle_timeout` (None = never started)."""
+    never = [job for job, last in busy_since.items() if last is None]
+    idle = sorted((last, job) for job, last in busy_since.items() if last is not None and now - last >= idle_timeout)
+    return (never + [job for _, job in idle])[:max(0, surplus)]

@@ -1,0 +1,147 @@
+"""The jobqueue launcher's scaling policy, with plain numbers for time: when a job expires, is gone, has
+finished retiring or failed, when a pool gives up, which states count as live; and that the policy stays pure."""
+
+from __future__ import annotations
+
+import ast
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from hpc_garage.core.pools import JobShape, job_shapes, lifetime
+from hpc_garage.core.site import parse_site_dict
+from hpc_garage.launchers.jobqueue import scaling
+from hpc_garage.launchers.jobqueue.scaling import (
+    FAILURES_BEFORE_GIVING_UP,
+    FINISHED,
+    GONE_AFTER,
+    LEAVING,
+    LIVE,
+    REPLACE_AHEAD,
+    RETIRE_GRACE,
+    UNFINISHED,
+    JobRecord,
+    JobState,
+    ahead,
+    change,
+    expiring,
+    gives_up,
+    left_queue,
+    live_jobs,
+    pool_state,
+    retire_done,
+    retires_at,
+    stopped_as,
+    to_let_go,
+    workers_gone,
+)
+
+
+def shape() -> JobShape:
+    site = parse_site_dict({"name": "t", "scheduler": "slurm", "launcher": "jobqueue", "walltime": "02:00:00",
+                            "node": {"cores": 8, "memory": "16GiB", "gpus": 0}, "workers": {"per": "node"},
+                            "jobqueue": {"jobs": 1, "gpus_per_job": 0}})
+    return next(iter(job_shapes(site).values()))
+
+
+def running(started_at: float = 100.0, **fields: object) -> JobRecord:
+    """A started job (a worker registered at `started_at`), with `fields` changed."""
+    given: dict[str, object] = {"pool": "p", "name": "p-0", "job_id": "1", "state": JobState.RUNNING,
+                                "started": 1e9, "started_at": started_at, "last_seen": started_at}
+    return JobRecord(**(given | fields))  # type: ignore[arg-type]
+
+
+def test_a_running_job_turns_expiring_ahead_of_its_lifetime_not_before() -> None:
+    s = shape()
+    life, stagger = lifetime(s.site)
+    assert life / 2 > REPLACE_AHEAD  # so REPLACE_AHEAD, not half the lifetime, is what applies here
+    rec = running(started_at=100.0)
+    end = retires_at(rec, s, now=0.0)
+    assert end == 100.0 + life - stagger
+    assert not expiring(rec, s, end - REPLACE_AHEAD - 1, queue_wait=0.0)
+    assert expiring(rec, s, end - REPLACE_AHEAD, queue_wait=0.0)  # a minute ahead: still before the lifetime ends
+    # a pool whose jobs waited long in the queue replaces them earlier, twice that wait ahead
+    assert ahead(s, queue_wait=100.0) == 200.0
+    assert expiring(rec, s, end - 200.0, queue_wait=100.0) and not expiring(rec, s, end - 201.0, queue_wait=100.0)
+    # never more than half the lifetime ahead, whatever the queue wait
+    assert ahead(s, queue_wait=1e6) == life / 2
+    # only a running job expires (an expiring one already has its replacement; a retiring one is idle)
+    for state in (JobState.PENDING, JobState.EXPIRING, JobState.RETIRING):
+        rec.state = state
+        assert not expiring(rec, s, end, queue_wait=0.0)
+
+
+def test_a_started_job_whose_workers_are_gone_longer_than_gone_after_has_ended() -> None:
+    rec = running(started_at=10.0)
+    assert not workers_gone(rec, 10.0 + GONE_AFTER)  # a worker restarting, or a moment between two steps
+    assert workers_gone(rec, 10.0 + GONE_AFTER + 0.1)
+    queued = JobRecord(pool="p", name="p-1", job_id="2", state=JobState.PENDING)
+    assert not workers_gone(queued, 1e9)  # never started: the batch system says whether it left (left_queue)
+
+
+def test_a_job_that_leaves_the_queue_failed_without_workers_and_ended_with_them_gone() -> None:
+    assert left_queue(JobRecord(pool="p", name="p-0", job_id="1", state=JobState.PENDING)) == JobState.FAILED
+    assert left_queue(running(workers=0)) == JobState.ENDED
+    assert left_queue(running(workers=2)) is None  # its workers still report: they end it when they go
+    assert left_queue(running(workers=0, state=JobState.EXPIRING)) == JobState.ENDED
+
+
+def test_a_retired_job_is_finished_once_its_workers_left_and_the_grace_passed() -> None:
+    rec = running(state=JobState.RETIRING, retiring=50.0, workers=0)
+    assert not retire_done(rec, 50.0 + RETIRE_GRACE - 0.1)
+    assert retire_done(rec, 50.0 + RETIRE_GRACE)
+    rec.workers = 1
+    assert not retire_done(rec, 1e9)  # a worker still holds data no other worker could take
+    assert not retire_done(running(workers=0), 1e9)  # not retiring
+
+
+def test_a_pool_stops_after_three_failures_in_a_row() -> None:
+    assert FAILURES_BEFORE_GIVING_UP == 3
+    assert [gives_up(n) for n in range(5)] == [False, False, False, True, True]
+
+
+def test_live_states_are_the_jobs_a_pool_counts_and_every_state_is_finished_or_not() -> None:
+    assert LIVE == {JobState.SUBMITTING, JobState.PENDING, JobState.RUNNING}
+    assert LEAVING == {JobState.EXPIRING, JobState.RETIRING} and not LIVE & LEAVING
+    assert FINISHED | UNFINISHED == set(JobState) and not FINISHED & UNFINISHED
+    assert UNFINISHED == LIVE | LEAVING
+    records = [JobRecord(pool="a", name=f"a-{i}", state=state) for i, state in enumerate(JobState)]
+    records.append(JobRecord(pool="b", name="b-0", state=JobState.RUNNING))
+    assert [r.name for r in live_jobs(records, "a")] == ["a-0", "a-1", "a-2"]
+    state = pool_state(records, "a", load=2.5)
+    assert (state.jobs, state.leaving, state.load) == (3, 2, 2.5)
+
+
+def test_at_the_end_of_the_run_a_job_is_retired_cancelled_or_left_as_it_was() -> None:
+    assert stopped_as(running(state=JobState.RETIRING, workers=0)) == JobState.RETIRED
+    assert stopped_as(running(state=JobState.RETIRING, workers=1)) == JobState.CANCELLED
+    assert stopped_as(JobRecord(pool="p", name="p-0")) == JobState.CANCELLED  # sbatch may still answer
+    for state in FINISHED:
+        assert stopped_as(running(state=state)) is None
+
+
+def test_only_an_adaptive_pool_lets_jobs_go_never_started_first() -> None:
+    assert change(3, 1, adaptive=False) == 2 and change(1, 3, adaptive=False) == 0
+    assert change(1, 3, adaptive=True) == -2 and change(2, 2, adaptive=True) == 0
+    queued = JobRecord(pool="p", name="p-9", state=JobState.PENDING)
+    idle, busy = running(busy=10.0), running(busy=95.0)
+    idle.name, busy.name = "p-1", "p-2"
+    assert to_let_go([busy, idle, queued], now=100.0, idle_timeout=30, surplus=3) == ["p-9", "p-1"]
+
+
+def test_job_states_read_as_the_words_the_jobs_file_has_always_held() -> None:
+    rec = running()
+    assert json.loads(json.dumps(asdict(rec)))["state"] == "running"
+    assert JobState("retiring") is JobState.RETIRING
+
+
+@pytest.mark.parametrize("banned", ["time", "asyncio", "os", "subprocess", "dask", "distributed", "dask_jobqueue"])
+def test_the_policy_is_pure(banned: str) -> None:
+    tree = ast.parse(Path(scaling.__file__).read_text())
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in ast.walk(tree)
+                 if isinstance(node, ast.ImportFrom) and node.module}
+    assert banned not in imported
