@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING
 from hpc_garage.core.allocation import Allocation
 from hpc_garage.core.errors import AllocationError
 from hpc_garage.core.request import Request
-from hpc_garage.schedulers.base import BatchSystem
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # base imports subprocess: `show` outside a job never needs it
     from hpc_garage.core.site import Site
+    from hpc_garage.schedulers.base import BatchSystem
     from hpc_garage.sites.view import SiteView
 
 JOB_ID_VARIABLES = (("slurm", "SLURM_JOB_ID"), ("pbs", "PBS_JOBID"))
