@@ -74,3 +74,50 @@ def test_memory_parsing_does_not_import_dask() -> None:
 
     code = "import sys; from hpc_garage.core.units import parse_memory; parse_memory('64GiB'); print('dask' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+
+
+# ---- the contract (issue 14): every input is accepted with its documented meaning, or refused with one line
+
+
+@pytest.mark.parametrize("bad", ["90.0", "25:99:00", "1:99:00", "1:30:60", "2-24", "0:0:0", "0.5s", "1e400s",
+                                 "99999999999999999999"])
+def test_ambiguous_or_impossible_walltimes_are_refused(bad: str) -> None:
+    with pytest.raises(ValueError) as caught:
+        parse_walltime(bad)
+    assert bad in str(caught.value) and "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize(("bad", "bare"), [("1e400", "MiB"), ("1e12", None), ("64e9", None), ("1e18TB", "MiB"),
+                                           ("inf", "MiB"), ("nan", None)])
+def test_overflowing_or_unitless_memory_is_refused(bad: str, bare: str | None) -> None:
+    with pytest.raises(ValueError) as caught:
+        parse_memory(bad, bare=bare)
+    assert "\n" not in str(caught.value)
+
+
+UNIT_TEXT = st.one_of(
+    st.text(max_size=12),
+    st.from_regex(r"\A-?[0-9]{0,25}(\.[0-9]{0,4})?([eE][+-]?[0-9]{1,4})?\s?([KMGTPkmgtp]i?[Bb]?|[Bb]|min|h|s|d)?\Z"),
+    st.from_regex(r"\A([0-9]{1,3}-)?[0-9]{1,4}(:[0-9]{1,3}){0,3}\Z"),
+    st.floats(allow_nan=True, allow_infinity=True), st.integers(), st.booleans(),
+)
+
+
+@given(UNIT_TEXT, st.sampled_from(["MiB", None]))
+def test_memory_parser_accepts_with_meaning_or_refuses_in_one_line(value: object, bare: str | None) -> None:
+    try:
+        size = parse_memory(value, bare=bare)  # type: ignore[arg-type]
+    except ValueError as exc:
+        assert "\n" not in str(exc) and str(exc)
+    else:
+        assert isinstance(size, int) and 0 <= size <= 2**60
+
+
+@given(UNIT_TEXT)
+def test_walltime_parser_accepts_with_meaning_or_refuses_in_one_line(value: object) -> None:
+    try:
+        seconds = parse_walltime(value)  # type: ignore[arg-type]
+    except ValueError as exc:
+        assert "\n" not in str(exc) and str(exc)
+    else:
+        assert isinstance(seconds, int) and 1 <= seconds <= 10 * 365 * 86400

@@ -7,6 +7,7 @@ minutes (`sbatch -t 90`). Everything else (`64GB`, `60 GiB`, `2h`, `90min`) goes
 
 from __future__ import annotations
 
+import math
 import re
 
 _SLURM_SUFFIX = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP])\s*$", re.IGNORECASE)
@@ -32,15 +33,26 @@ def parse_memory(value: str | int | float, *, bare: str | None = "MiB") -> int:
     if re.fullmatch(r"\d+(\.\d+)?", text):
         if bare is None:
             raise ValueError(f"{text!r} has no unit; write e.g. '{text}GiB' or '{text}GB'")
-        return int(float(text) * _BINARY[bare[0].lower()])
+        return _bytes(float(text) * _BINARY[bare[0].lower()], text)
     if m := _SLURM_SUFFIX.match(text):
-        return int(float(m.group(1)) * _BINARY[m.group(2).lower()])
+        return _bytes(float(m.group(1)) * _BINARY[m.group(2).lower()], text)
     if m := _PBS_SUFFIX.match(text):
-        return int(m.group(1)) * _BINARY[m.group(2)]  # PBS: 'gb' means GiB
+        return _bytes(int(m.group(1)) * _BINARY[m.group(2)], text)  # PBS: 'gb' means GiB
     if m := _SIZE.match(text):  # dask.utils.parse_bytes' own units, without the ~180 ms `import dask`
-        size = float(m.group(1)) * _UNITS[(m.group(2) or "").lower()]
-        return int(size)
+        if not m.group(2) and bare is None:  # `1e12` where `64` is refused: a unit is wanted here too
+            raise ValueError(f"{text!r} has no unit; write e.g. '1TB' or '931GiB'")
+        if (unit := _UNITS.get((m.group(2) or "").lower())) is not None:
+            return _bytes(float(m.group(1)) * unit, text)
     raise ValueError(f"{text!r} is not a memory size; write e.g. '64GiB', '64GB' or '64G'")
+
+
+MAX_BYTES = 2**60  # an exbibyte: far above any node, far below what overflows
+
+
+def _bytes(size: float, text: str) -> int:
+    if not math.isfinite(size) or size > MAX_BYTES:
+        raise ValueError(f"{text!r} is beyond any machine's memory; write e.g. '64GiB'")
+    return int(size)
 
 
 def parse_walltime(value: str | int | float) -> int:
@@ -53,23 +65,47 @@ def parse_walltime(value: str | int | float) -> int:
         parts = [int(x) for x in (a, b, c) if x is not None]
         if days is not None:  # D-HH, D-HH:MM, D-HH:MM:SS
             hours, minutes, seconds = (parts + [0, 0])[:3]
-            return int(days) * 86400 + hours * 3600 + minutes * 60 + seconds
+            _clock_fields(text, hours=(hours, 24), minutes=(minutes, 60), seconds=(seconds, 60))
+            return _duration(int(days) * 86400 + hours * 3600 + minutes * 60 + seconds, text)
         if len(parts) == 1 and parts[0] > 0:
-            return parts[0] * 60  # bare number: minutes, like sbatch -t
+            return _duration(parts[0] * 60, text)  # bare number: minutes, like sbatch -t
         if len(parts) == 1:
             raise ValueError(f"{text!r} is not a walltime; write e.g. '01:30:00' or '90' (minutes)")
         if len(parts) == 2:
-            return parts[0] * 60 + parts[1]
-        return parts[0] * 3600 + parts[1] * 60 + parts[2]
+            _clock_fields(text, seconds=(parts[1], 60))
+            return _duration(parts[0] * 60 + parts[1], text)
+        _clock_fields(text, minutes=(parts[1], 60), seconds=(parts[2], 60))
+        return _duration(parts[0] * 3600 + parts[1] * 60 + parts[2], text)
+    if re.fullmatch(r"\d*\.\d*", text):  # `90.0`: minutes, as `90` is, or seconds, as Dask reads it?
+        raise ValueError(f"{text!r} is ambiguous; write '{text.split('.')[0] or 0}' (minutes), "
+                         f"'{text}min', '{text}s' or HH:MM:SS")
     from dask.utils import parse_timedelta
 
     try:
         seconds = parse_timedelta(re.sub(r"(?<=\d)\s*mins?$", "m", text), default="seconds")
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, OverflowError, IndexError):
         seconds = None
-    if seconds is None or seconds <= 0:
+    if seconds is None or not math.isfinite(seconds):
         raise ValueError(f"{text!r} is not a walltime; write e.g. '01:30:00', '1-00:00:00' or '90min'")
+    return _duration(seconds, text)
+
+
+def _duration(seconds: float, text: str) -> int:
+    if not 1 <= seconds <= MAX_SECONDS:
+        raise ValueError(f"{text!r} is not a walltime (a second to ten years); write e.g. "
+                         "'01:30:00', '1-00:00:00' or '90min'")
     return int(seconds)
+
+
+MAX_SECONDS = 10 * 365 * 86400  # ten years: beyond any batch system's limit, far below an overflow
+
+
+def _clock_fields(text: str, **fields: tuple[int, int]) -> None:
+    """Refuse `1:99:00` rather than read it as 2:39:00: a slip, not a time."""
+    for name, (value, limit) in fields.items():
+        if value >= limit:
+            raise ValueError(f"{text!r}: {value} {name} is not a clock value (0-{limit - 1}); "
+                             "write e.g. '01:30:00' or '1-00:00:00'")
 
 
 def format_walltime(seconds: int) -> str:
