@@ -143,7 +143,8 @@ def cases(draw: st.DrawFn) -> tuple[Site, Allocation]:
     ids = tuple(f"GPU-{i:04x}" if uuids else str(i) for i in range(ngpus))
     s = parse_site_dict({"name": "p", "scheduler": "slurm",
                          "node": {"cores": cores, "memory": f"{memory}B", "gpus": ngpus},
-                         "workers": {"per": per, "processes": processes, "reserve_memory": f"{reserve}B"}})
+                         "workers": {"per": per, "reserve_memory": f"{reserve}B",
+                                     **({"processes": processes} if per == "process" else {})}})
     a = Allocation(nodes=tuple(NodeAllocation(cores, memory, ids, f"n{i}") for i in range(nodes)))
     return s, a
 

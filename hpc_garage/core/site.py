@@ -10,6 +10,7 @@ fails while it is stale): a new field is added here only.
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -25,7 +26,9 @@ SecondsOrZero = Annotated[int, BeforeValidator(_values.walltime_or_zero), Field(
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: `threads: true` or `cores: 4.0` is refused, not read as 1 or 4 (values come from YAML, whose
+    # numbers are already ints; units and `auto` are converted by BeforeValidators first)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class NodeShape(_Strict):
@@ -61,9 +64,14 @@ class MpiSettings(_Strict):
     `srun` is the SLURM way; `mpiexec` runs over the job's node list (PBS, or SLURM without PMI support).
     `flavor` says whose mpiexec it is, because OpenMPI and MPICH/Hydra spell "ranks per node" differently.
     The node processes use no MPI themselves, so srun needs no `--mpi` plugin (`srun_args` adds options).
+
+    `launch: dask-mpi` starts one MPI rank per worker instead, each running dask-mpi's worker side against
+    `run`'s scheduler (launchers/dask_mpi.py); `via` says what starts those ranks (auto: srun under SLURM,
+    mpiexec elsewhere), and there the ranks do use MPI (`srun_args: [--mpi=pmix]` where SLURM has no default).
     """
 
-    launch: Literal["auto", "srun", "mpiexec"] = "auto"
+    launch: Literal["auto", "srun", "mpiexec", "dask-mpi"] = "auto"
+    via: Literal["auto", "srun", "mpiexec"] = "auto"  # read only with launch: dask-mpi
     srun_args: list[str] = Field(default_factory=list)
     mpiexec: str = "mpiexec"
     flavor: Literal["openmpi", "mpich"] = "openmpi"
@@ -78,7 +86,7 @@ class JobqueueSettings(_Strict):
     ban accounts that submit hundreds.
     """
 
-    jobs: int | None = Field(None, ge=0)  # fixed number of worker jobs
+    jobs: int | None = Field(None, gt=0)  # fixed number of worker jobs (none at all: minimum_jobs: 0, adaptive)
     minimum_jobs: int | None = Field(None, ge=0)  # adaptive: never fewer ...
     maximum_jobs: int | None = Field(None, gt=0)  # ... and never more
     max_jobs_in_queue: int = Field(4, gt=0)  # queued + running worker jobs of a run (of a pool, per pool)
@@ -183,9 +191,33 @@ class Site(_Strict):
             raise ValueError("walltime exceeds limits.max_walltime; shorten walltime")
         if self.pools and self.launcher != "jobqueue":
             raise ValueError("pools are for launcher: jobqueue; set launcher: jobqueue or remove pools")
+        self._check_contradictions()
         if self.launcher == "jobqueue":
             self._check_jobqueue()
         return self
+
+    def _check_contradictions(self) -> None:
+        """Keys that would be silently ignored, or that cannot work together, are refused."""
+        if "processes" in self.workers.model_fields_set and self.workers.per != "process":
+            raise ValueError(f"workers.processes is read only with per: process, and per is {self.workers.per!r}; "
+                             "drop processes or set per: process")
+        if "jobqueue" in self.model_fields_set and self.launcher != "jobqueue":
+            raise ValueError(f"a jobqueue: section is read only with launcher: jobqueue, and launcher is "
+                             f"{self.launcher!r}; drop the section or set launcher: jobqueue")
+        if self.scheduler != "slurm" and self.mpi.launch == "srun":
+            raise ValueError(f"mpi.launch: srun needs SLURM, and scheduler is {self.scheduler!r}; "
+                             "use mpi.launch: mpiexec or auto")
+        for key, lines in (("directives", self.directives), ("jobqueue.driver_directives",
+                                                             self.jobqueue.driver_directives)):
+            for line in lines:
+                if not line.startswith("-"):
+                    raise ValueError(f"{key}: {line!r} is not an option; write the option alone, without "
+                                     "the directive prefix, e.g. '--constraint=a100' or '-l place=excl'")
+        for name, value in self.env.items():
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+                raise ValueError(f"env: {name!r} is not a variable name; use letters, digits and _")
+            if "\0" in value:
+                raise ValueError(f"env.{name}: the value holds a NUL byte, which no environment can carry")
 
     def _check_jobqueue(self) -> None:
         jq = self.jobqueue

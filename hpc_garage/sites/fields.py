@@ -45,6 +45,7 @@ SECTIONS: dict[str, dict[str, Any]] = {
                 "kind": "section",
                 "default": {
                     "launch": "auto",
+                    "via": "auto",
                     "srun_args": [],
                     "mpiexec": "mpiexec",
                     "flavor": "openmpi",
@@ -116,7 +117,8 @@ SECTIONS: dict[str, dict[str, Any]] = {
         "hooks": [],
         "excluded": [],
         "fields": [
-            {"name": "launch", "kind": "choice", "default": "auto", "choices": ["auto", "srun", "mpiexec"]},
+            {"name": "launch", "kind": "choice", "default": "auto", "choices": ["auto", "srun", "mpiexec", "dask-mpi"]},
+            {"name": "via", "kind": "choice", "default": "auto", "choices": ["auto", "srun", "mpiexec"]},
             {"name": "srun_args", "kind": "list[str]", "default": []},
             {"name": "mpiexec", "kind": "str", "default": "mpiexec"},
             {"name": "flavor", "kind": "choice", "default": "openmpi", "choices": ["openmpi", "mpich"]},
@@ -128,7 +130,7 @@ SECTIONS: dict[str, dict[str, Any]] = {
         "hooks": ["_scaling"],
         "excluded": [],
         "fields": [
-            {"name": "jobs", "kind": "int", "optional": True, "default": None, "ge": 0},
+            {"name": "jobs", "kind": "int", "optional": True, "default": None, "gt": 0},
             {"name": "minimum_jobs", "kind": "int", "optional": True, "default": None, "ge": 0},
             {"name": "maximum_jobs", "kind": "int", "optional": True, "default": None, "gt": 0},
             {"name": "max_jobs_in_queue", "kind": "int", "default": 4, "gt": 0},

@@ -53,7 +53,8 @@ from typing import Any
 BOUNDS = {annotated_types.Gt: "gt", annotated_types.Ge: "ge", annotated_types.Lt: "lt", annotated_types.Le: "le"}
 HOOKS = ("validators", "field_validators", "root_validators", "field_serializers", "model_serializers",
          "model_validators", "computed_fields")
-CONFIG_KEYS = {"extra", "frozen", "title"}  # model_config keys that change no value the view would read
+CONFIG_KEYS = {"extra", "frozen", "title", "strict"}  # model_config keys that change no value the view reads
+# (strict: the view already vouches only for values of the exact type, which strict mode accepts too)
 WIDTH = 120
 
 

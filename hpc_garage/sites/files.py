@@ -51,6 +51,9 @@ def site_file(name_or_path: str | Path, find: Callable[[], dict[str, Path]] = fi
     """The file of the site called NAME among `find()` (the search path), or the file at PATH."""
     candidate = Path(name_or_path)
     if candidate.suffix in (".yaml", ".yml") or os.sep in str(name_or_path):
+        if candidate.is_dir():
+            raise SiteError(f"site file {str(candidate)!r} is a directory; give the YAML file in it "
+                            f"(`hpc-garage sites` lists the known ones)")
         if not candidate.is_file():
             raise SiteError(f"site file {str(candidate)!r} does not exist; check the path")
         return candidate
@@ -83,10 +86,31 @@ _SiteLoader.add_implicit_resolver(
 )
 
 
+def _unique_mapping(loader: _SiteLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+    """A mapping whose keys are each given once: YAML would keep the last of two, silently."""
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"key {key!r} is given twice (lines {seen[key] + 1} and {key_node.start_mark.line + 1}); "
+                "keep one", key_node.start_mark)
+        seen[key] = key_node.start_mark.line
+    return loader.construct_mapping(node, deep=deep)
+
+
+_SiteLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
 def read_site_file(path: Path) -> dict[str, Any]:
     """The file's keys as written, `name` defaulting to the file's stem; not yet validated."""
     try:
-        data = yaml.load(path.read_text(), Loader=_SiteLoader)
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_SiteLoader)
+    except UnicodeDecodeError as exc:
+        raise SiteError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.object[exc.start:exc.start + 1]!r}); "
+                        "save it as UTF-8") from None
+    except IsADirectoryError:
+        raise SiteError(f"{path}: is a directory, not a site file") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""

@@ -181,6 +181,15 @@ def view(data: dict[str, Any], path: Path | None = None) -> SiteView:
         raise _Unsure
     if limits.max_walltime is not None and values["walltime"] > limits.max_walltime:
         raise _Unsure
+    # Site._check_contradictions: the same, each failing site to pydantic
+    if "processes" in (raw.get("workers") or {}) and workers.per != "process":
+        raise _Unsure
+    if values["scheduler"] != "slurm" and values["mpi"].launch == "srun":
+        raise _Unsure
+    if any(not line.startswith("-") for line in values["directives"]):
+        raise _Unsure
+    if any(not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k) or "\0" in v for k, v in values["env"].items()):
+        raise _Unsure
     return SiteView(values, raw, path)
 
 
