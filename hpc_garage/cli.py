@@ -21,7 +21,59 @@ class _Failure(click.ClickException):
         click.echo(f"hpc-garage: error: {self.message}", err=True)
 
 
+class _Command(click.Command):
+    """A command that refuses an option given twice (`--nodes 2 --nodes 3`, `-t 2h --time 3h`) instead of
+    letting the last one win silently, and options that exclude each other (`exclusive`)."""
+
+    def __init__(self, *args: Any, exclusive: tuple[tuple[str, ...], ...] = (), **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.exclusive = exclusive
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        _refuse_repeats(self, ctx, args)
+        rest = super().parse_args(ctx, args)
+        for group in self.exclusive:
+            given = [name for name in group if ctx.params.get(name)]
+            if len(given) > 1:
+                flags = [self._flag(name) for name in given]
+                raise UserError(f"{' and '.join(flags)} exclude each other; give one")
+        return rest
+
+    def _flag(self, name: str) -> str:
+        return next(p.opts[0] for p in self.params if p.name == name)
+
+
+def _refuse_repeats(command: click.Command, ctx: click.Context, args: list[str]) -> None:
+    by_opt = {opt: p for p in command.params if isinstance(p, click.Option) and not (p.multiple or p.count)
+              for opt in p.opts + p.secondary_opts}
+    seen: dict[str, tuple[str, str | None]] = {}
+    i = 0
+    while i < len(args):
+        word = args[i]
+        i += 1
+        if word == "--":
+            return
+        if not word.startswith("-") or word == "-":
+            if not ctx.allow_interspersed_args:
+                return
+            continue
+        name, eq, value = word.partition("=") if word.startswith("--") else (word[:2], "", word[2:])
+        param = by_opt.get(name)
+        if param is None:
+            continue
+        attached: str | None = (value if eq or value else None)
+        if not param.is_flag and attached is None and i < len(args):
+            attached, i = args[i], i + 1
+        if param.name in seen:
+            first, before = seen[param.name]
+            shown = f" ({before!r} and {attached!r})" if before is not None or attached is not None else ""
+            raise UserError(f"{first} given twice{'' if first == name else f' (as {name})'}{shown}; give it once")
+        seen[param.name] = (name, attached)  # type: ignore[index]
+
+
 class _Group(click.Group):
+    command_class = _Command
+
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
@@ -32,10 +84,11 @@ class _Group(click.Group):
 
 
 def _memory(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
+    """Memory per node; 0 means what sbatch's --mem=0 means: the node's memory (the site's default)."""
     from hpc_garage.core.units import parse_memory
 
     try:
-        return None if value is None else parse_memory(value)
+        return None if value is None else parse_memory(value) or None
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
 
@@ -102,12 +155,13 @@ def sites(as_json: bool) -> None:
         click.echo(f"{r['name']:<14} {r['scheduler']:<6} {r['launcher']:<9} {shape:<36} {r['path']}")
 
 
-@cli.command(context_settings={"allow_interspersed_args": False})
+@cli.command(context_settings={"allow_interspersed_args": False},
+             exclusive=(("as_json", "as_script", "worker_script"),))
 @click.option("--site", "site_name", envvar="HPC_GARAGE_SITE", required=True, help="Site name or path to a site file.")
 @click.option("--nodes", "-N", type=int, help="Nodes to request (default 1).")
 @click.option("--gpus-per-node", type=int, help="GPUs per node (default: all of the node's).")
 @click.option("--cores-per-node", type=int, help="Cores per node (default: all).")
-@click.option("--mem", "memory", callback=_memory, help="Memory per node: 64GiB, 64GB, 64G, or MiB as a bare number.")
+@click.option("--mem", "memory", callback=_memory, help="Memory per node: 64GiB, 64GB, 64G, or MiB as a bare number; 0: the whole node, as sbatch.")
 @click.option("--time", "-t", "walltime", callback=_walltime, help="Walltime: 01:30:00, 1-00:00:00, 90 (minutes), 2h.")
 @click.option("--json", "as_json", is_flag=True, help="Print exactly one JSON object.")
 @click.option("--script", "as_script", is_flag=True, help="Print the job script `submit` would render instead.")
@@ -245,7 +299,7 @@ def _submit_prepared(prepared: Any, dry_run: bool, wait: bool) -> None:
 @click.option("--gpus-per-node", type=int, help="GPUs per node (default: all of the node's).")
 @click.option("--cores-per-node", type=int, help="Cores per node (default: all).")
 @click.option("--time", "-t", "walltime", callback=_walltime, help="Walltime: 01:30:00, 1-00:00:00, 90 (minutes), 2h.")
-@click.option("--mem", "memory", callback=_memory, help="Memory per node: 64GiB, 64GB, 64G, or MiB as a bare number.")
+@click.option("--mem", "memory", callback=_memory, help="Memory per node: 64GiB, 64GB, 64G, or MiB as a bare number; 0: the whole node, as sbatch.")
 @click.option("--account", "-A", help="Account to charge (default: the site's).")
 @click.option("--qos", help="Quality of service (SLURM; default: the site's).")
 @click.option("--job-name", "-J", help="Job name: letters, digits, . _ + - (default: the script's name).")

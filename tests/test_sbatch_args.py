@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +109,14 @@ def test_refused(line: str, fragment: str) -> None:
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize(("line", "fragment"), [("--gress=gpu:2 x.py", "did you mean --gres?"),
+                                                ("--nodess 2 x.py", "did you mean --nodes?"),
+                                                ("-X x.py", "not an sbatch option")])
+def test_unknown_options_are_refused_not_passed_on(line: str, fragment: str) -> None:
+    with pytest.raises(UserError, match=re.escape(fragment)):
+        parse(shlex.split(line))
+
+
 def test_options_become_one_request() -> None:
     """(Was: the loose keywords match job_spec's; the core Request type now carries them.)"""
     from hpc_garage.core.request import Request
@@ -155,10 +165,13 @@ def test_unknown_partition_lists_what_exists(only_my_sites: Path) -> None:
         site_for(parse(["-p", "nosuch", "x.py"]))
 
 
-def test_site_flag_wins_and_must_be_slurm(only_my_sites: Path) -> None:
+def test_site_flag_must_be_slurm_and_agree_with_the_partition(only_my_sites: Path) -> None:
+    """(Was: --site wins over a contradicting -p. Issue 14: a contradiction is refused, not resolved silently.)"""
     write_site(only_my_sites, "a", "slurm", "cpu")
     write_site(only_my_sites, "p", "pbs", "cpu")
-    assert site_for(parse(["--site", "a", "-p", "other", "x.py"])) == "a"
+    assert site_for(parse(["--site", "a", "-p", "cpu", "x.py"])) == "a"
+    with pytest.raises(UserError, match="-p other: site a describes partition cpu's nodes"):
+        site_for(parse(["--site", "a", "-p", "other", "x.py"]))
     with pytest.raises(UserError, match="hpc-garage submit --site p"):
         site_for(parse(["--site", "p", "x.py"]))
 

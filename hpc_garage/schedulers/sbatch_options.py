@@ -71,6 +71,21 @@ _NO_VALUE = {
 }
 
 
+# every other option sbatch (Slurm 22-24) knows: passed through; anything else is a typo (`--gress`), refused
+_SBATCH_LONG = set("""
+--acctg-freq --batch --bb --bbf --begin --cluster-constraint --clusters --comment --constraint --container
+--container-id --contiguous --core-spec --cores-per-socket --cpu-freq --deadline --delay-boot --dependency
+--distribution --exclude --exclusive --export --export-file --extra --extra-node-info --get-user-env --gid
+--gpu-bind --gpu-freq --gpus-per-socket --gres-flags --hint --hold --ignore-pbs --immediate --input
+--kill-on-invalid-dep --licenses --mail-type --mail-user --mcs-label --mem-bind --mincpus --network --nice
+--no-kill --no-requeue --nodefile --nodelist --ntasks-per-core --ntasks-per-gpu --ntasks-per-socket --open-mode
+--overcommit --oversubscribe --power --prefer --priority --profile --propagate --quiet --reboot --requeue
+--reservation --signal --sockets-per-node --spread-job --switches --thread-spec --threads-per-core --time-min
+--tmp --tres-bind --tres-per-task --uid --use-min-nodes --verbose --wait-all-nodes --wckey
+""".split())
+_SBATCH_SHORT = set("-b -B -C -d -F -H -i -k -L -m -M -O -Q -s -S -v -w -x".split())
+
+
 @dataclass
 class SbatchCall:
     """What an `hpc-garage sbatch` command line asks for, before it meets a site."""
@@ -169,6 +184,14 @@ def _take(option: str, value: str | None, values: dict[str, str], flags: set[str
             raise UserError(f"{option} given twice ({values[key]!r} and {value!r}); give it once")
         values[key] = value
         return
+    known = _SBATCH_LONG | _SBATCH_SHORT
+    if option not in known:
+        import difflib
+
+        every = sorted(known | set(_VALUED) | set(_FLAGS) | set(_REFUSED))
+        close = difflib.get_close_matches(option, every, n=1)
+        hint = f"did you mean {close[0]}?" if close else "see `man sbatch`"
+        raise UserError(f"{option}: not an sbatch option; {hint}")
     passthrough.append(_passthrough(option, value))
 
 
@@ -266,6 +289,9 @@ def site_for(call: SbatchCall) -> str:
                 f"site {site.name} is {site.scheduler}, and `hpc-garage sbatch` takes sbatch options; "
                 f"use `hpc-garage submit --site {site.name}`"
             )
+        if call.partition and site.queue and call.partition != site.queue:
+            raise UserError(f"-p {call.partition}: site {site.name} describes partition {site.queue}'s nodes; "
+                            f"drop -p, or drop --site to pick the site of partition {call.partition}")
         return call.site
     partition = call.partition or _default_partition()
     by_queue: dict[str, list[str]] = {}

@@ -87,8 +87,8 @@ def prepare(
         )
     workdir = os.path.abspath(cwd or os.getcwd())
     script_path = os.path.join(workdir, os.path.expanduser(script))
-    if must_exist and not os.path.isfile(script_path):
-        raise UserError(f"script {script_path} does not exist; check the path")
+    if must_exist:
+        _check_script(script_path)
     root = run_root(site)
     batch = get(site.scheduler)
     name = job_name_for(request.job_name, script_path)
@@ -98,6 +98,24 @@ def prepare(
     spec, layout_ = job_spec(site, request, script=os.path.abspath(script_path), args=args, output=output,
                              error=error, workdir=workdir, python=python)
     return Prepared(site=site, spec=spec, layout=layout_, script=render(spec), root=root)
+
+
+def _check_script(path: str) -> None:
+    """The job runs SCRIPT with the site's Python: it must be a Python file (a shell script would fail there)."""
+    if os.path.isdir(path):
+        raise UserError(f"script {path} is a directory; give the Python file to run")
+    if not os.path.isfile(path):
+        raise UserError(f"script {path} does not exist; check the path")
+    if path.endswith(".py"):
+        return
+    try:
+        with open(path, "rb") as f:
+            first = f.readline(200)
+    except OSError as exc:
+        raise UserError(f"script {path} cannot be read ({exc.strerror})") from None
+    if not (first.startswith(b"#!") and b"python" in first):
+        raise UserError(f"script {path} is not a Python script (no .py suffix, no python #! line); the job runs it "
+                        "with the site's Python. Give a .py file, or run other programs from a Python script")
 
 
 def _absolute(path: str, workdir: str, flag: str) -> str:
