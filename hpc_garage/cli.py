@@ -109,6 +109,18 @@ def _request(options: dict[str, Any]) -> Any:
     return Request(**{k: v for k, v in options.items() if v is not None})
 
 
+def _seconds(value: str) -> float:
+    import math
+
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or not 0 < seconds <= 7 * 86400:
+        raise click.BadParameter(f"{value!r}: give seconds, more than 0 and at most a week, e.g. 180")
+    return seconds
+
+
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="hpc-garage")
 def cli() -> None:
@@ -210,7 +222,8 @@ SHOW_JSON_INDENT_MAX = 1024  # workers above which `show --json` prints compact 
 @cli.command(context_settings={"ignore_unknown_options": True})
 @click.option("--site", "site_name", help="Site name or file (default: $HPC_GARAGE_SITE, else local).")
 @click.option("--insecure", is_flag=True, help="Plain tcp instead of TLS with per-job certificates.")
-@click.option("--timeout", default=180.0, show_default=True, help="Seconds to wait for every worker to register.")
+@click.option("--timeout", default="180", show_default=True, callback=lambda ctx, param, value: _seconds(value),
+              help="Seconds to wait for every worker to register.")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def run(site_name: str | None, insecure: bool, timeout: float, command: tuple[str, ...]) -> None:
     """Start a Dask cluster for this job, run COMMAND against it, tear it down.
@@ -439,7 +452,21 @@ def server_stop(host: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    cli.main(args=argv, prog_name="hpc-garage")
+    """Every refusal, click's own usage errors included, is one line on stderr and exit 2."""
+    try:
+        code = cli.main(args=argv, prog_name="hpc-garage", standalone_mode=False)
+    except click.UsageError as exc:
+        hint = f" (`hpc-garage {exc.ctx.command_path.split(' ', 1)[1]} --help`)" \
+            if exc.ctx is not None and " " in exc.ctx.command_path else " (`hpc-garage --help`)"
+        click.echo(f"hpc-garage: error: {' '.join(exc.format_message().split())}{hint}", err=True)
+        sys.exit(2)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except click.Abort:
+        click.echo("hpc-garage: interrupted", err=True)
+        sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

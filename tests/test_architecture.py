@@ -4,7 +4,7 @@
   `ngpus=`, scontrol/squeue/qstat) appear in code only under `hpc_garage/schedulers/`.
 - `hpc_garage/core/` is pure: it imports nothing of hpc-garage outside `core/`, and reads no environment,
   no files and no subprocess.
-- Imports run one way: core <- (sites, files) <- schedulers <- launchers <- cluster <- cli; prefect/ uses
+- Imports run one way: core <- (sites, files, variables) <- schedulers <- launchers <- cluster <- cli; prefect/ uses
   only core, the I/O helpers beside it and the handoff; compat is imported from anywhere and imports only core.
 - Other packages' private names are touched only in `hpc_garage/compat.py`.
 Docstrings and comments may name anything: only code (names, strings that are not docstrings) is read.
@@ -34,12 +34,13 @@ LAYERS = {
     "core": {"core"},
     "sites": {"core", "sites"},
     "files": {"core", "files"},
+    "variables": {"core", "variables"},
     "compat": {"core"},
-    "schedulers": {"core", "sites", "files", "schedulers", "compat"},
-    "launchers": {"core", "sites", "files", "schedulers", "launchers", "compat"},
-    "cluster": {"core", "sites", "files", "schedulers", "launchers", "cluster", "compat"},
-    "prefect": {"core", "files", "prefect", "compat", "cluster.handoff"},
-    "cli": {"core", "sites", "files", "schedulers", "launchers", "cluster", "prefect", "compat"},
+    "schedulers": {"core", "sites", "files", "variables", "schedulers", "compat"},
+    "launchers": {"core", "sites", "files", "variables", "schedulers", "launchers", "compat"},
+    "cluster": {"core", "sites", "files", "variables", "schedulers", "launchers", "cluster", "compat"},
+    "prefect": {"core", "files", "variables", "prefect", "compat", "cluster.handoff"},
+    "cli": {"core", "sites", "files", "variables", "schedulers", "launchers", "cluster", "prefect", "compat"},
     "__init__": {"prefect"},
     "__main__": {"cli"},
 }

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpc_garage.core.errors import UserError
 from hpc_garage.files import run_dir, write_private
+from hpc_garage.variables import seconds
 
 if TYPE_CHECKING:
     from distributed.security import Security
@@ -119,6 +121,8 @@ class Handoff:
                 "workers": self.workers,
                 "site": self.site,
                 "created": time.time(),
+                "host": socket.gethostname(),  # with pid: a file whose run has died is recognised as stale
+                "pid": os.getpid(),
                 **self.extra,
             },
         }
@@ -141,6 +145,15 @@ class Handoff:
             try:
                 data = json.loads(path.read_text())
                 break
+            except IsADirectoryError:
+                raise UserError(f"scheduler file {path} is a directory; point {SCHEDULER_FILE_ENV} at the "
+                                "scheduler.json inside a run directory") from None
+            except PermissionError:
+                raise UserError(f"scheduler file {path} is not readable by you (it belongs to another user's "
+                                "job?); use your own job's scheduler.json") from None
+            except UnicodeDecodeError:
+                raise UserError(f"scheduler file {path} is not text; point {SCHEDULER_FILE_ENV} at the "
+                                "scheduler.json that `hpc-garage run` wrote") from None
             except FileNotFoundError:
                 if given_up():
                     raise UserError(f"`hpc-garage run` stopped before its workers were up (no {path}); "
@@ -155,8 +168,8 @@ class Handoff:
                 if time.monotonic() >= deadline:
                     raise UserError(f"scheduler file {path} is not valid JSON; delete it and rerun the job") from None
             time.sleep(0.05)
-        ours = data.get("hpc_garage")
-        if not isinstance(ours, dict) or "address" not in data:
+        ours = data.get("hpc_garage") if isinstance(data, dict) else None
+        if not isinstance(ours, dict) or not isinstance(data.get("address"), str):
             raise UserError(f"{path} is not an hpc-garage scheduler file (no 'hpc_garage' section); point "
                             f"{SCHEDULER_FILE_ENV} at the scheduler.json that `hpc-garage run` wrote")
         if expect_job and str(ours.get("job_id")) != str(expect_job):
@@ -164,6 +177,7 @@ class Handoff:
                 f"scheduler file {path} belongs to job {ours.get('job_id')}, not this job {expect_job}; "
                 "it is left over from an earlier job: rerun, or point at this job's run directory"
             )
+        _refuse_stale(path, ours)
         return cls(
             address=data["address"],
             job_id=str(ours.get("job_id")),
@@ -172,6 +186,31 @@ class Handoff:
             workers=list(ours.get("workers") or []),
             site=ours.get("site"),
         )
+
+
+def _refuse_stale(path: Path, ours: dict[str, Any]) -> None:
+    """A scheduler file left by a run that is gone (killed, or its node lost) is said to be stale at once,
+    rather than after a connect timeout: its writer's process is gone, or its TLS files are."""
+    if ours.get("host") == socket.gethostname() and isinstance(ours.get("pid"), int) and not _alive(ours["pid"]):
+        raise UserError(f"scheduler file {path} is stale: the `hpc-garage run` that wrote it (pid {ours['pid']}) "
+                        "has ended; rerun the job, or delete the file")
+    tls = ours.get("tls")
+    if tls is not None and not isinstance(tls, dict):
+        raise UserError(f"scheduler file {path} is damaged (its 'tls' entry is not a mapping); delete it and rerun")
+    missing = [str(v) for v in (tls or {}).values() if not Path(str(v)).is_file()]
+    if missing:
+        raise UserError(f"scheduler file {path} is stale: its run's TLS credentials are gone ({missing[0]}); the "
+                        "run that wrote it has ended: rerun the job")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def handoff_from_env(env: Mapping[str, str] | None = None, timeout: float | None = None) -> Handoff | None:
@@ -184,7 +223,7 @@ def handoff_from_env(env: Mapping[str, str] | None = None, timeout: float | None
     if not path:
         return None
     if timeout is None:
-        timeout = float(env.get(START_TIMEOUT_ENV) or 60) + 30
+        timeout = seconds(env, START_TIMEOUT_ENV, 60) + 30
     state = Path(env[RUN_DIR_ENV]) / "state.json" if env.get(RUN_DIR_ENV) else None
 
     def given_up() -> bool:
@@ -193,4 +232,8 @@ def handoff_from_env(env: Mapping[str, str] | None = None, timeout: float | None
         except (OSError, ValueError):
             return False
 
-    return Handoff.read(path, expect_job=env.get(JOB_ID_ENV), timeout=timeout, given_up=given_up)
+    # under `run`, its job; else the batch job this process runs in: another job's file is refused
+    from hpc_garage.schedulers import job_id
+
+    expect = env.get(JOB_ID_ENV) or job_id(env)
+    return Handoff.read(path, expect_job=expect, timeout=timeout, given_up=given_up)

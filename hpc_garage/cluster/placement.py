@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from hpc_garage.compat import replace_valid_workers
+from hpc_garage.variables import switch
 
 from hpc_garage.core.pools import fits
 
@@ -72,8 +73,7 @@ def install(scheduler: Scheduler) -> FreeResourcePlacement:
 
 
 def enabled(env: Mapping[str, str] | None = None) -> bool:
-    value = (os.environ if env is None else env).get(DISABLE_ENV, "1")
-    return value.strip().lower() not in ("0", "false", "no", "off", "dask")
+    return switch(os.environ if env is None else env, DISABLE_ENV, True, also_no=("dask",))
 
 
 

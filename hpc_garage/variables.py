@@ -1,0 +1,65 @@
+"""The `HPC_GARAGE_*` variables a user may set, each read and checked in one place.
+
+A bad value is one line naming the variable, its value and what would be accepted (exit 2), never a
+traceback or a silent default: `HPC_GARAGE_START_TIMEOUT=abc` is refused, `=nan` too (it would wait forever).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from collections.abc import Mapping
+
+from hpc_garage.core.errors import UserError
+
+START_TIMEOUT = "HPC_GARAGE_START_TIMEOUT"  # seconds `run` gives its workers; COMMAND waits as long
+WORKER_PRELOAD = "HPC_GARAGE_WORKER_PRELOAD"  # modules every worker imports before its first task
+PLACEMENT = "HPC_GARAGE_PLACEMENT"  # 0: Dask's own placement of resource tasks
+PREFECT_FAST = "HPC_GARAGE_PREFECT_FAST"  # 0: prefect-dask's own task submission
+
+_YES = ("1", "true", "yes", "on")
+_NO = ("0", "false", "no", "off")
+
+
+def seconds(env: Mapping[str, str], name: str, default: float) -> float:
+    """A positive, finite number of seconds."""
+    text = env.get(name)
+    if text is None or not text.strip():
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0 or value > 7 * 86400:
+        raise UserError(f"{name}={text!r}: give seconds, more than 0 and at most a week, e.g. {name}=180")
+    return value
+
+
+def switch(env: Mapping[str, str], name: str, default: bool, *, also_no: tuple[str, ...] = ()) -> bool:
+    """On or off: 1/true/yes/on or 0/false/no/off (any case); unset or empty: `default`."""
+    text = env.get(name)
+    if text is None or not text.strip():
+        return default
+    word = text.strip().lower()
+    if word in _YES:
+        return True
+    if word in _NO + also_no:
+        return False
+    raise UserError(f"{name}={text!r}: give 1 or 0 (true/false, yes/no, on/off)")
+
+
+def modules(env: Mapping[str, str], name: str) -> list[str] | None:
+    """A comma-separated list of importable modules; None when unset. A module that is not installed here is
+    refused now: the workers would fail at start-up on every node instead."""
+    if name not in env:
+        return None
+    names = [m.strip() for m in env[name].split(",") if m.strip()]
+    for module in names:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise UserError(f"{name}={env[name]!r}: module {module!r} is not installed here; fix the list "
+                            f"(comma-separated module names) or unset {name}")
+    return names
