@@ -109,6 +109,21 @@ def _request(options: dict[str, Any]) -> Any:
     return Request(**{k: v for k, v in options.items() if v is not None})
 
 
+def _host(value: str) -> str:
+    """An IP address or a host name: it names a directory of the server's state, so nothing else."""
+    import ipaddress
+    import re
+
+    try:
+        return str(ipaddress.ip_address(value))
+    except ValueError:
+        pass
+    if re.fullmatch(r"(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)*",
+                    value):
+        return value
+    raise click.BadParameter(f"{value!r}: give an IP address or a host name, e.g. 127.0.0.1")
+
+
 def _seconds(value: str) -> float:
     import math
 
@@ -434,7 +449,8 @@ def server() -> None:
 
 
 @server.command("status")
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address the server listens on.")
+@click.option("--host", default="127.0.0.1", show_default=True, callback=lambda ctx, param, value: _host(value),
+              help="Address the server listens on.")
 def server_status(host: str) -> None:
     """Say whether the shared Prefect server runs, and where."""
     from hpc_garage.prefect.server import server_status as status
@@ -443,7 +459,8 @@ def server_status(host: str) -> None:
 
 
 @server.command("stop")
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address the server listens on.")
+@click.option("--host", default="127.0.0.1", show_default=True, callback=lambda ctx, param, value: _host(value),
+              help="Address the server listens on.")
 def server_stop(host: str) -> None:
     """Stop the shared Prefect server (runs start it again when they need it)."""
     from hpc_garage.prefect.server import stop_server
