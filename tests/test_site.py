@@ -81,3 +81,48 @@ def test_site_by_path(tmp_path: Path) -> None:
     assert load_site(str(path)).name == "x"
     with pytest.raises(SiteError, match="does not exist"):
         load_site(str(tmp_path / "nope.yaml"))
+
+
+# ---- the contract (issue 14): any site file is a Site or one SiteError line, never another exception
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+KEYS = ["name", "scheduler", "launcher", "queue", "account", "qos", "walltime", "node", "workers", "limits",
+        "interface", "local_directory", "run_directory", "setup", "directives", "env", "python", "mpi",
+        "jobqueue", "pools", "nodes", "walltim", "cores", "memory", "gpus", "per", "processes", "threads",
+        "gpu_vendor", "launch", "jobs", "max_nodes", "reserve_memory", ""]
+SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-3, 10**20), st.floats(allow_nan=True),
+                    st.text(max_size=8), st.sampled_from(["auto", "slurm", "pbs", "local", "gpu", "64GiB", "1:99:00",
+                                                          "90.0", "1e400", "srun", "jobqueue", "-x", "A=B"]))
+VALUES = st.recursive(SCALARS, lambda inner: st.one_of(
+    st.lists(inner, max_size=3), st.dictionaries(st.sampled_from(KEYS), inner, max_size=4)), max_leaves=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from(KEYS), VALUES, max_size=8),
+       st.sampled_from([{}, {"scheduler": "slurm", "node": {"cores": 8, "memory": "64GiB"}}]))
+def test_any_site_data_is_a_site_or_one_line(data: dict, base: dict) -> None:
+    from hpc_garage.core.errors import SiteError
+    from hpc_garage.core.site import Site, parse_site_dict
+
+    try:
+        site = parse_site_dict({"name": "p", **base, **data})
+    except SiteError as exc:
+        assert "\n" not in str(exc) and str(exc)
+    else:
+        assert isinstance(site, Site)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.binary(max_size=200))
+def test_any_site_file_bytes_are_a_site_or_one_line(tmp_path_factory: pytest.TempPathFactory, raw: bytes) -> None:
+    from hpc_garage.core.errors import SiteError
+    from hpc_garage.sites import parse_site_file
+
+    path = tmp_path_factory.mktemp("s") / "x.yaml"
+    path.write_bytes(raw)
+    try:
+        parse_site_file(path)
+    except SiteError as exc:
+        assert "\n" not in str(exc)
