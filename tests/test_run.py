@@ -46,6 +46,9 @@ def test_login_node_cluster_is_shaped_like_the_site(tmp_path: Path) -> None:
     assert not Path(r["scheduler_file"]).exists()  # torn down with the cluster
     state = json.loads((Path(r["scheduler_file"]).parent / "state.json").read_text())
     assert state["phase"] == "done" and state["exit_code"] == 7
+    # README "Security": every file of the run directory is private, Dask's own scheduler file included
+    assert {"scheduler.json", "dask-scheduler.json", "state.json"} <= set(r["run_dir_file_modes"])
+    assert set(r["run_dir_file_modes"].values()) == {0o600}, r["run_dir_file_modes"]
 
 
 @pytest.mark.slow

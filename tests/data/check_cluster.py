@@ -56,6 +56,8 @@ def main(out: str) -> None:
         "run_dir_mode": stat.S_IMODE(os.stat(run_dir).st_mode),
         "tls_modes": [stat.S_IMODE(os.stat(os.path.join(run_dir, "tls", f)).st_mode)
                       for f in sorted(os.listdir(os.path.join(run_dir, "tls")))] if h.tls else [],
+        "run_dir_file_modes": {f: stat.S_IMODE(os.stat(os.path.join(run_dir, f)).st_mode)
+                               for f in sorted(os.listdir(run_dir)) if os.path.isfile(os.path.join(run_dir, f))},
         "plain_client_refused": refused,
         "string_hashes": hashes,
         "worker_preloaded": sorted(set(preloaded.values())),
