@@ -95,3 +95,13 @@ def node_rank(env: Mapping[str, str] | None = None) -> int | None:
     env = os.environ if env is None else env
     value = env.get("SLURM_NODEID", "")
     return int(value) if value.isdigit() else None
+
+
+def local_rank(env: Mapping[str, str] | None = None) -> int | None:
+    """This task's rank among the batch launcher's tasks on its node (srun's), where it says.
+
+    Under an mpirun that SLURM started, the value is its daemon's (0 on every node): MPI's own variables
+    are read first (launchers/dask_mpi.py)."""
+    env = os.environ if env is None else env
+    value = env.get("SLURM_LOCALID", "")
+    return int(value) if value.isdigit() else None

@@ -56,6 +56,7 @@ class JobSpec:
     python: str
     script: str  # absolute
     args: tuple[str, ...]
+    ranks: str = ""  # `mpi: {launch: dask-mpi}`: the line `run` starts the worker ranks with, shown as a comment
 
     @property
     def command(self) -> list[str]:
@@ -82,6 +83,7 @@ def render(spec: JobSpec) -> str:
         python=shlex.quote(spec.python),
         site=shlex.quote(spec.site),
         command=shlex.join([spec.script, *(_no_nul(a, "an argument") for a in spec.args)]),
+        ranks=_ranks_comment(spec.ranks),
     )
     directive_lines = "\n".join(f"{batch.directive_prefix} {d}" for d in directives)
     return _fill(batch.template, **values, directives=directive_lines, body=body.rstrip("\n"))
@@ -131,9 +133,55 @@ def job_spec(
         memory=allocation.nodes[0].memory,
         walltime=allocation.walltime,
         directives=(*site.directives, *request.extra_directives),
+        ranks=shlex.join(dask_mpi_ranks(layout_, [python, "-m", "hpc_garage.launchers.dask_mpi", "RUN_DIR/ranks.json"],
+                                        in_slurm=site.scheduler == "slurm",
+                                        nodefile="$PBS_NODEFILE" if site.scheduler == "pbs" else None))
+        if site.mpi.launch == "dask-mpi" else "",
         **command,
     )
     return spec, layout_
+
+
+def dask_mpi_ranks(layout_: Layout, rank_argv: Sequence[str], *, in_slurm: bool, nodefile: str | None) -> list[str]:
+    """`mpi: {launch: dask-mpi}`: the command that starts one MPI rank per worker, the same count on every
+    node in node order (srun, or the site's mpiexec in its OpenMPI or MPICH spelling), each running
+    `rank_argv`. Pure: `run` starts it (launchers/dask_mpi.py) and the job script shows it.
+
+    A node with fewer workers than the busiest one still gets that many ranks; the spare ones only join
+    dask-mpi's barrier and exit (srun and mpiexec place the same count per node).
+    """
+    mpi = layout_.site.mpi
+    nodes = len(layout_.allocation.nodes)
+    counts = [0] * nodes
+    cores = None
+    for w in layout_.workers:
+        counts[w.node] += 1
+        cpu = int(w.resources.get("CPU", w.nthreads))
+        cores = cpu if cores is None else min(cores, cpu)
+    per_node = max(1, *counts)
+    ranks = str(nodes * per_node)
+    via = mpi.via if mpi.via != "auto" else ("srun" if in_slurm else "mpiexec")
+    if via == "srun":
+        return ["srun", f"--nodes={nodes}", f"--ntasks={ranks}", f"--ntasks-per-node={per_node}",
+                f"--cpus-per-task={max(1, cores or 1)}", "--kill-on-bad-exit=1", *mpi.srun_args, *rank_argv]
+    if mpi.flavor == "openmpi":
+        argv = [mpi.mpiexec, "-n", ranks, "--map-by", f"ppr:{per_node}:node", "--bind-to", "none"]
+        argv += ["--hostfile", nodefile] if nodefile else []
+    else:  # MPICH / Hydra, Cray PALS, Intel MPI
+        argv = [mpi.mpiexec, "-n", ranks, "-ppn", str(per_node)]
+        argv += ["-f", nodefile] if nodefile else []
+    return [*argv, *mpi.mpiexec_args, *rank_argv]
+
+
+def _ranks_comment(line: str) -> str:
+    """The dask-mpi launch line as a comment of the job script (inert: one line, no control characters)."""
+    if not line:
+        return ""
+    if _CONTROL.search(line):
+        raise UserError(f"the site's mpi options make the rank launch line {line!r} hold a newline or control "
+                        "character; fix mpi.srun_args / mpiexec_args")
+    line = line.replace("'$PBS_NODEFILE'", '"$PBS_NODEFILE"')  # shown as a script would write it
+    return f"# `run` starts one dask-mpi rank per worker (RUN_DIR: the run directory of this job):\n#   {line}"
 
 
 def driver_job_spec(site: Site, request: Request, *, script: str, args: Sequence[str], output: str,
@@ -179,6 +227,7 @@ def _spec(
     error: str | None,
     workdir: str,
     python: str,
+    ranks: str = "",
 ) -> JobSpec:
     """The checked JobSpec of a job of `site` with this shape (the mpi job's or the jobqueue driver's): what
     both share (job name, the site's defaults, directives, setup, the command) is resolved here, once, and
@@ -206,6 +255,7 @@ def _spec(
         python=python,
         script=script,
         args=tuple(args),
+        ranks=ranks,
     )
     render(spec)
     return spec
