@@ -81,9 +81,14 @@ def run(site: Site, command: list[str], *, insecure: bool = False, timeout: floa
     elif site.scheduler != "local" and in_batch_job(env):
         allocation = allocation_from_env(site, env)
         layout_ = layout(site, allocation)
-        from hpc_garage.launchers.mpi import MpiLauncher
+        if site.mpi.launch == "dask-mpi":  # one MPI rank per worker, dask-mpi's worker side (launchers/dask_mpi.py)
+            from hpc_garage.launchers.dask_mpi import DaskMpiLauncher
 
-        launcher: Launcher = MpiLauncher(layout_, env)
+            launcher: Launcher = DaskMpiLauncher(layout_, env)
+        else:
+            from hpc_garage.launchers.mpi import MpiLauncher
+
+            launcher = MpiLauncher(layout_, env)
         job_id = str(allocation.job_id)
         notes = list(allocation.notes) + [f"unused: {x}" for x in layout_.leftovers]
     else:
