@@ -29,7 +29,7 @@ from hpc_garage.cluster.handoff import (JOB_ID_ENV, RUN_DIR_ENV, SCHEDULER_FILE_
                                        RunDir)
 from hpc_garage.files import write_private
 from hpc_garage.launchers.common import (Launcher, end_process, listening_host, scheduler_preload,
-                                        security_from)
+                                        security_from, worker_preload)
 from hpc_garage.core.layout import Layout, layout
 from hpc_garage.core.site import Site
 
@@ -68,6 +68,7 @@ def run(site: Site, command: list[str], *, insecure: bool = False, timeout: floa
     env = dict(os.environ if env is None else env)
     env.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")  # workers' start-up chatter hides the flow's output
     os.environ["DASK_LOGGING__DISTRIBUTED"] = env["DASK_LOGGING__DISTRIBUTED"]  # local workers are our children
+    worker_preload(env)  # a module listed in $HPC_GARAGE_WORKER_PRELOAD that is not installed: refused now
     if not command:
         raise UserError("no COMMAND given; write it after --, e.g. `hpc-garage run -- python sweep.py`")
     if shutil.which(command[0], path=env.get("PATH")) is None and not os.path.exists(command[0]):
@@ -145,6 +146,7 @@ async def _serve(site: Site, layout_: Layout, launcher: Launcher, rundir: RunDir
                               **launcher.scheduler_host)
         install(scheduler)  # resource tasks go only to workers with them free (placement.py); every launcher
         await scheduler
+        os.chmod(rundir.dask_scheduler_file, 0o600)  # Dask writes it 0644; it names the cluster's address
         preload = _import_in_background(scheduler_preload(env))
         await launcher.start(scheduler.address, tls, worker_env, rundir)
         if await _wait(scheduler, expected, timeout, launcher, state, proc):
