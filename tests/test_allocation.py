@@ -218,9 +218,10 @@ def test_pbs_torque_gpufile_and_ppn(tmp_path: Path) -> None:
 
 def test_pbs_from_the_local_torque_wrapper(tmp_path: Path) -> None:
     env = {k: v for k, v in dump("pbs-qsub.env").items() if not k.startswith("SLURM")}
-    env |= pbs_env(tmp_path, ["node1", "node1"], NCPUS="2")
+    env |= pbs_env(tmp_path, ["node1", "node1"], NCPUS="2", CUDA_VISIBLE_DEVICES="0,1")  # naccelerators=2
     a = allocation_from_env(load_site("lab-pbs"), env | {"PBS_JOBID": env["PBS_JOBID"]})
     assert a.source == "pbs" and a.nodes[0].cores == 2 and a.nodes[0].host == "node1"
+    assert a.nodes[0].gpus == ("0", "1")
 
 
 def test_qstat_f_of_the_torque_wrapper_is_read() -> None:
@@ -244,8 +245,8 @@ def test_pbs_missing_or_contradictory(tmp_path: Path, change: dict[str, str], va
 
 
 def test_slurm_wins_inside_slurm_for_a_slurm_site_even_with_torque_variables() -> None:
-    env = dump("pbs-qsub.env")  # Slurm's spank_pbs plugin sets PBS_JOBID inside Slurm jobs too
-    assert allocation_from_env(load_site("lab-gpu"), env).source == "slurm"
+    env = dump("pbs-qsub.env")  # Slurm's spank_pbs plugin sets PBS_JOBID inside Slurm jobs too (a job without GPUs)
+    assert allocation_from_env(load_site("lab-cpu"), env).source == "slurm"
 
 
 # ------------------------------------------------------------------------------------------- requests

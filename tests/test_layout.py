@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from hpc_garage.core.allocation import Allocation, NodeAllocation
 from hpc_garage.core.errors import LayoutError
-from hpc_garage.core.layout import pin_gpus, layout
+from hpc_garage.core.layout import describe, layout, pin_gpus
 from hpc_garage.core.site import Site, parse_site_dict
 
 GIB = 2**30
@@ -99,18 +99,61 @@ def test_job_visible_ids_not_global_ones() -> None:
     assert [w.env["CUDA_VISIBLE_DEVICES"] for w in workers] == ["2", "3"]
 
 
-def test_amd_sites_also_pin_rocr() -> None:
-    s = parse_site_dict({"name": "amd", "scheduler": "slurm", "workers": {"per": "gpu"},
-                         "node": {"cores": 64, "memory": "512GiB", "gpus": 8, "gpu_vendor": "amd"}})
-    w = layout(s, alloc(cores=64, memory=512 * GIB, gpus=tuple(map(str, range(8))))).workers[5]
-    assert w.env["ROCR_VISIBLE_DEVICES"] == w.env["CUDA_VISIBLE_DEVICES"] == "5"
+def vendor_site(vendor: str, gpus: int = 8, **workers: Any) -> Site:
+    return parse_site_dict({"name": vendor, "scheduler": "slurm", "workers": {"per": "gpu", **workers},
+                            "node": {"cores": 64, "memory": "512GiB", "gpus": gpus, "gpu_vendor": vendor}})
+
+
+def test_amd_workers_set_rocr_to_their_gpu_and_the_later_stage_to_what_rocr_leaves() -> None:
+    # ROCm applies ROCR_VISIBLE_DEVICES, then indexes HIP/CUDA_VISIBLE_DEVICES and GPU_DEVICE_ORDINAL into what
+    # is left: the old rule (both = "5") left worker 5 asking for position 5 of a one-GPU list
+    w = layout(vendor_site("amd"), alloc(cores=64, memory=512 * GIB, gpus=tuple(map(str, range(8))))).workers[5]
+    assert w.env == {"OMP_NUM_THREADS": "8", "ROCR_VISIBLE_DEVICES": "5", "HIP_VISIBLE_DEVICES": "0",
+                     "CUDA_VISIBLE_DEVICES": "0", "GPU_DEVICE_ORDINAL": "0"}
+
+
+def test_intel_workers_get_ze_affinity_mask_and_tiles_verbatim() -> None:
+    ids = ("0.0", "0.1", "1.0", "1.1")
+    workers = layout(vendor_site("intel", gpus=4), alloc(cores=64, memory=512 * GIB, gpus=ids)).workers
+    assert [w.env["ZE_AFFINITY_MASK"] for w in workers] == list(ids)
+    assert all("CUDA_VISIBLE_DEVICES" not in w.env for w in workers)
+
+
+def test_workers_without_gpus_on_a_gpu_node_are_hidden_per_vendor() -> None:
+    a = alloc(cores=64, memory=512 * GIB, gpus=("0", "1"))
+    hidden = {vendor: layout(vendor_site(vendor, per="process", processes=3), a).workers[0].env
+              for vendor in ("nvidia", "amd", "intel")}
+    assert hidden["nvidia"]["CUDA_VISIBLE_DEVICES"] == ""
+    assert {hidden["amd"][v] for v in ("ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES",
+                                       "GPU_DEVICE_ORDINAL")} == {"-1"}  # empty would mean "every GPU" to ROCr
+    assert hidden["intel"]["ZE_AFFINITY_MASK"] == "-1"
+
+
+def test_a_worker_never_gets_two_mig_instances() -> None:
+    ids = ("MIG-aa", "MIG-bb", "MIG-cc", "MIG-dd")
+    assert [w.env["CUDA_VISIBLE_DEVICES"] for w in layout(site(), alloc(gpus=ids)).workers] == list(ids)
+    with pytest.raises(LayoutError, match="one MIG instance visible to a process"):
+        layout(site(per="process", processes=2), alloc(gpus=ids)).workers
 
 
 def test_pin_gpus_maps_slots_onto_the_nodes_own_ids() -> None:
     w = layout(site(), alloc(gpus=("0", "1"))).workers[1]
-    assert pin_gpus(w, ["2", "3"], ("CUDA_VISIBLE_DEVICES",)) == {"CUDA_VISIBLE_DEVICES": "3"}
+    assert pin_gpus(w, ["2", "3"], "nvidia") == {"CUDA_VISIBLE_DEVICES": "3"}
+    assert pin_gpus(w, ["2", "3"], ("CUDA_VISIBLE_DEVICES",)) == {"CUDA_VISIBLE_DEVICES": "3"}  # older callers
+    assert pin_gpus(w, ["2", "3"], "amd") == {"ROCR_VISIBLE_DEVICES": "3", "HIP_VISIBLE_DEVICES": "0",
+                                              "CUDA_VISIBLE_DEVICES": "0", "GPU_DEVICE_ORDINAL": "0"}
+    assert pin_gpus(w, ["2", "3"], ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES"))["HIP_VISIBLE_DEVICES"] == "0"
     with pytest.raises(LayoutError, match="slot 1"):
-        pin_gpus(w, ["0"], ("CUDA_VISIBLE_DEVICES",))
+        pin_gpus(w, ["0"], "nvidia")
+
+
+def test_describe_names_each_vendors_variable_and_the_binding() -> None:
+    a = alloc(cores=64, memory=512 * GIB, gpus=tuple(map(str, range(8))))
+    amd = "\n".join(describe(layout(vendor_site("amd"), a)))
+    assert "ROCR_VISIBLE_DEVICES 0..7 (then HIP_VISIBLE_DEVICES, CUDA_VISIBLE_DEVICES, GPU_DEVICE_ORDINAL 0)" in amd
+    assert "ZE_AFFINITY_MASK 0..7" in "\n".join(describe(layout(vendor_site("intel"), a)))
+    assert "binds to its CPU share" in amd
+    assert "binds" not in "\n".join(describe(layout(vendor_site("amd", bind_cpus=False), a)))
 
 
 @pytest.mark.parametrize(

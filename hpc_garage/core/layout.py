@@ -9,16 +9,17 @@ here it is computed once, checked, and every leftover core or byte is reported r
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from hpc_garage.core import gpus as _gpus
 from hpc_garage.core.allocation import Allocation, NodeAllocation
 from hpc_garage.core.errors import LayoutError
 from hpc_garage.core.per_node import NodeWorkers, PerNode, dumps
 from hpc_garage.core.units import format_bytes
 from hpc_garage.core.worker_spec import WorkerSpec, number
 
-__all__ = ["Layout", "LayoutError", "WorkerSpec", "describe", "layout", "pin_gpus"]
+__all__ = ["Layout", "LayoutError", "WorkerSpec", "bind_node", "describe", "layout", "pin_gpus"]
 
 if TYPE_CHECKING:  # not imported at run time: `show` lays out a SiteView without importing pydantic
     from hpc_garage.core.site import Site
@@ -153,19 +154,20 @@ def _layout_node(site: Site, index: int, node: NodeAllocation) -> tuple[NodeWork
             resources["GPU"] = len(ids)
         resources |= {"CPU": cores_each, "MEMORY": memory_each, "PROCESS": 1}
         env = {"OMP_NUM_THREADS": str(cores_each)}
-        if gpus:  # a GPU node: pin, and hide every GPU from a worker that got none
-            env |= {var: ",".join(ids) for var in site.gpu_env_vars}
+        if gpus:  # a GPU node: pin (as the vendor's runtime masks), and hide every GPU from a worker without
+            env |= _gpus.worker_env(site.node.gpu_vendor, ids)
         suffixes.append(f"gpu{slots[0]}" if per == "gpu" else f"w{k}")
         specs.append({"local_rank": k, "nthreads": threads, "memory_limit": memory_each, "resources": resources,
-                      "gpu_slots": slots, "env": env})
+                      "gpu_slots": slots, "env": env, "cpus": []})
     return NodeWorkers(suffixes, specs), leftovers
 
 
-def pin_gpus(spec: WorkerSpec, node_gpus: list[str] | tuple[str, ...], env_vars: tuple[str, ...]) -> dict[str, str]:
+def pin_gpus(spec: WorkerSpec, node_gpus: list[str] | tuple[str, ...], vendor: str | tuple[str, ...]) -> dict[str, str]:
     """The GPU variables for a worker, from the GPU ids its own node shows (read on that node, at start-up).
 
     On a multi-node job the batch script sees only its own node's ids; each worker maps its slots onto the
-    ids of the node it runs on. Fewer GPUs there than slots is an error, not a silent share.
+    ids of the node it runs on. Fewer GPUs there than slots is an error, not a silent share. `vendor` is the
+    site's `node.gpu_vendor` (older callers pass the site's `gpu_env_vars`, read as the vendor they name).
     """
     if not spec.gpu_slots and not node_gpus:
         return {}
@@ -174,8 +176,37 @@ def pin_gpus(spec: WorkerSpec, node_gpus: list[str] | tuple[str, ...], env_vars:
             f"worker {spec.name} needs GPU slot {max(spec.gpu_slots)} but its node shows only "
             f"{len(node_gpus)} GPUs ({','.join(node_gpus) or 'none'}); request the same GPUs on every node"
         )
-    ids = ",".join(node_gpus[s] for s in spec.gpu_slots)
-    return {var: ids for var in env_vars}
+    return _gpus.worker_env(_gpus.vendor_of(vendor), [node_gpus[s] for s in spec.gpu_slots])
+
+
+CPUS_ENV = "HPC_GARAGE_CPUS"  # a bound worker's CPUs (`0-7`): its process binds itself to them at start
+
+
+def bind_node(workers: list[WorkerSpec], node: int, gpu_ids: dict[str, tuple[str, ...]],
+              topology: _gpus.Topology) -> tuple[list[WorkerSpec], list[str]]:
+    """The workers of one node bound to their CPUs (`core.gpus.bind`), every other worker unchanged.
+
+    `gpu_ids` maps a worker's name to the GPU ids it is pinned to on that node (as the job writes them). A
+    bound worker gets `cpus`, `HPC_GARAGE_CPUS` and `OMP_NUM_THREADS` of that many CPUs, and no more Dask
+    threads than CPUs. Returns the workers and what was assumed, in words.
+    """
+    mine = [w for w in workers if w.node == node]
+    if not mine:
+        return workers, []
+    binding = _gpus.bind([int(w.resources.get("CPU", w.nthreads)) for w in mine],
+                         [gpu_ids.get(w.name, ()) for w in mine], topology)
+    bound = {}
+    for w, cpus in zip(mine, binding.cpus):
+        if cpus:
+            env = {**w.env, "OMP_NUM_THREADS": str(len(cpus)), CPUS_ENV: _gpus.format_cpulist(cpus)}
+            bound[w.name] = replace(w, cpus=cpus, nthreads=min(w.nthreads, len(cpus)), env=env)
+    notes = list(binding.notes)
+    if binding.local and bound:
+        notes.append("cores bound next to each worker's GPU (its PCI device's local_cpulist, within the job's CPUs "
+                     f"{_gpus.format_cpulist(topology.allowed)})")
+    elif bound and not binding.notes:
+        notes.append(f"cores bound: an even split of the job's CPUs {_gpus.format_cpulist(topology.allowed)}")
+    return [bound.get(w.name, w) for w in workers], notes
 
 
 def describe(layout_: Layout) -> list[str]:
@@ -187,7 +218,7 @@ def describe(layout_: Layout) -> list[str]:
         by_node.setdefault(w.node, []).append(w)
     runs: list[tuple[list[int], str]] = []
     for index in range(len(layout_.allocation.nodes)):
-        text = _node_line(layout_.allocation.nodes[index], by_node[index])
+        text = _node_line(layout_.allocation.nodes[index], by_node[index], layout_.site.node.gpu_vendor)
         if runs and runs[-1][1] == text and runs[-1][0][-1] == index - 1:
             runs[-1][0].append(index)
         else:
@@ -200,20 +231,31 @@ def describe(layout_: Layout) -> list[str]:
         lines.append(f"{label}: {text}")
     lines += [f"note: {n}" for n in layout_.allocation.notes]
     lines += [f"unused: {x}" for x in layout_.leftovers]
+    site = layout_.site
+    if site.workers.bind_cpus and site.scheduler != "local" and not any(w.cpus for w in layout_.workers):
+        near = ", next to its GPUs where the node says where they are" if site.node.gpus else ""
+        lines.append(f"cores: in a job, each worker binds to its CPU share of its node as it starts{near} "
+                     "(workers.bind_cpus)")
     total_gpu = sum(w.resources.get("GPU", 0) for w in layout_.workers)
     lines.append(f"total: {len(layout_.workers)} workers, {number(total_gpu)} GPUs, "
                  f"{number(sum(w.resources['CPU'] for w in layout_.workers))} CPUs")
     return lines
 
 
-def _node_line(node: NodeAllocation, ws: list[WorkerSpec]) -> str:
+def _node_line(node: NodeAllocation, ws: list[WorkerSpec], vendor: str) -> str:
     w = ws[0]
     res = ", ".join(f"{k}={format_bytes(v)}" if k == "MEMORY" else f"{k}={number(v)}" for k, v in w.resources.items())
-    devices = [x.env.get("CUDA_VISIBLE_DEVICES", "") for x in ws]
-    pinned = f", CUDA_VISIBLE_DEVICES {_span(devices)}" if any(devices) else ""
+    devices = [_gpus.pinned(vendor, x.env) or "" for x in ws]
+    pinned = f", {_gpus.PRIMARY[vendor]} {_span(devices)}" if any(devices) else ""
+    if pinned and vendor == "amd":  # ROCm's later stage: positions within what ROCR_VISIBLE_DEVICES left
+        later = sorted({x.env.get(_gpus.HIP, "") for x in ws if _gpus.pinned(vendor, x.env)})
+        pinned += f" (then HIP_VISIBLE_DEVICES, CUDA_VISIBLE_DEVICES, GPU_DEVICE_ORDINAL {' | '.join(later)})"
+    cores = ""
+    if any(x.cpus for x in ws):
+        cores = ", cores " + " ".join(_gpus.format_cpulist(x.cpus) if x.cpus else "unbound" for x in ws)
     gpus = f"{len(node.gpus)} GPUs, " if node.gpus else ""
     return (f"{gpus}{node.cores} cores, {format_bytes(node.memory)} → {len(ws)} workers × {{{res}}}, "
-            f"threads {w.nthreads}, OMP_NUM_THREADS {w.env['OMP_NUM_THREADS']}{pinned}")
+            f"threads {w.nthreads}, OMP_NUM_THREADS {w.env['OMP_NUM_THREADS']}{pinned}{cores}")
 
 
 def _span(ids: list[str]) -> str:

@@ -49,7 +49,7 @@ class PerNode:
             workers += [WorkerSpec(name=name + suffix, node=index, host=host, local_rank=spec["local_rank"],
                                    nthreads=spec["nthreads"], memory_limit=spec["memory_limit"],
                                    resources=dict(spec["resources"]), gpu_slots=tuple(spec["gpu_slots"]),
-                                   env=dict(spec["env"]))
+                                   env=dict(spec["env"]), cpus=tuple(spec["cpus"]))
                         for suffix, spec in zip(shape.suffixes, shape.specs)]
         return workers
 

@@ -38,7 +38,7 @@ class NodeShape(_Strict):
     memory: Annotated[int, BeforeValidator(_values.node_memory), Field(gt=0)]
     gpus: int = Field(0, ge=0)
     gpu_type: str | None = None
-    gpu_vendor: Literal["nvidia", "amd"] = "nvidia"
+    gpu_vendor: Literal["nvidia", "amd", "intel"] = "nvidia"  # how workers are pinned: see core.gpus
 
 
 class WorkerLayout(_Strict):
@@ -48,6 +48,7 @@ class WorkerLayout(_Strict):
     processes: int = Field(1, gt=0)  # workers per node, for per: process
     threads: int | None = Field(None, gt=0)  # Dask threads per worker; default: its CPU share
     reserve_memory: Bytes = 0  # per node, left to the OS, the scheduler and the batch system
+    bind_cpus: bool = True  # inside a job, bind each worker to its share of cores, next to its GPUs
 
 
 class Limits(_Strict):
@@ -312,7 +313,10 @@ class Site(_Strict):
 
     @property
     def gpu_env_vars(self) -> tuple[str, ...]:
-        """Variables that pin a process to its GPUs on this site's hardware."""
+        """The GPU variables of the first version, kept equal to `sites.view.SiteView.gpu_env_vars` (tests hold
+        the two alike) and read by older callers as the vendor they name. Workers are no longer pinned with
+        these: `core.gpus.worker_env(node.gpu_vendor, ids)` sets each vendor's variables (an AMD worker that
+        got ROCR_VISIBLE_DEVICES=5 and CUDA_VISIBLE_DEVICES=5 saw no GPU)."""
         return ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES") if self.node.gpu_vendor == "amd" else (
             "CUDA_VISIBLE_DEVICES",
         )

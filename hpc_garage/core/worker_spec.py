@@ -19,12 +19,18 @@ class WorkerSpec:
     resources: dict[str, float]
     gpu_slots: tuple[int, ...] = ()  # indices into the node's GPU list (re-read on the node itself)
     env: dict[str, str] = field(default_factory=dict)
+    cpus: tuple[int, ...] = ()  # the CPUs it is bound to (chosen on its node, next to its GPUs); () = unbound
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> WorkerSpec:
+        """The spec `to_dict` wrote (the lists back as tuples)."""
+        return cls(**{**data, "gpu_slots": tuple(data.get("gpu_slots", ())), "cpus": tuple(data.get("cpus", ()))})
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as plain JSON types (copies), in field order: what `WorkerSpec(**d)` rebuilds it from."""
         return {"name": self.name, "node": self.node, "host": self.host, "local_rank": self.local_rank,
                 "nthreads": self.nthreads, "memory_limit": self.memory_limit, "resources": dict(self.resources),
-                "gpu_slots": list(self.gpu_slots), "env": dict(self.env)}
+                "gpu_slots": list(self.gpu_slots), "env": dict(self.env), "cpus": list(self.cpus)}
 
     @property
     def resources_arg(self) -> str:

@@ -15,8 +15,9 @@ from hpc_garage.core.layout import WorkerSpec
 
 
 def worker_options(spec: WorkerSpec, *, env: dict[str, str] | None = None, **extra: Any) -> dict[str, Any]:
-    """Keyword arguments for a distributed Nanny that starts exactly this worker."""
-    return {
+    """Keyword arguments for a distributed Nanny that starts exactly this worker (bound to its cores, where
+    its spec says which: `launchers.affinity.BoundWorker` binds itself to them as it starts)."""
+    options = {
         "name": spec.name,
         "nthreads": spec.nthreads,
         "memory_limit": spec.memory_limit,
@@ -24,6 +25,11 @@ def worker_options(spec: WorkerSpec, *, env: dict[str, str] | None = None, **ext
         "env": {**(env or {}), **spec.env},
         **extra,
     }
+    if spec.cpus:
+        from hpc_garage.launchers.affinity import BoundWorker
+
+        options["worker_class"] = BoundWorker
+    return options
 
 
 async def wait_for_workers(
@@ -198,10 +204,14 @@ def listening_host(options: Mapping[str, Any]) -> str:
         return "127.0.0.1"
 
 
-def node_gpus(env: Mapping[str, str]) -> list[str]:
-    """The GPU ids this node shows the job (its CUDA_VISIBLE_DEVICES), read on the node itself."""
-    raw = env.get("CUDA_VISIBLE_DEVICES", "")
-    return [x for x in raw.split(",") if x.strip() and x != "NoDevFiles"]
+def node_gpus(env: Mapping[str, str], vendor: str = "nvidia") -> list[str]:
+    """The GPU ids this node shows the job, read on the node itself, as `vendor`'s runtime reads them
+    (`core.gpus.job_gpus`: CUDA_VISIBLE_DEVICES; ROCR_VISIBLE_DEVICES then HIP's stage; ZE_AFFINITY_MASK).
+    A malformed list (duplicates, blank or non-numeric entries) is refused in one line before any worker
+    starts; an empty one or NoDevFiles is no GPUs (a worker that needs one then says so)."""
+    from hpc_garage.core.gpus import job_gpus
+
+    return list(job_gpus(vendor, env).ids)
 
 
 async def end_process(proc: asyncio.subprocess.Process, steps: Iterable[tuple[int | None, float]], *,

@@ -12,7 +12,10 @@ Each rank, before MPI starts and before anything can load CUDA:
 - puts that worker's environment in its own: CUDA_VISIBLE_DEVICES (and the vendor's variables) mapped onto
   the GPU ids its node shows, OMP_NUM_THREADS, the site's env and the Prefect API;
 - starts a forkserver that imports what workers preload (as the default launcher's node process does), so
-  that the Nanny's worker is forked from it while this rank initialises MPI;
+  that the Nanny's worker is forked from it while this rank initialises MPI. Prefect's task path is in it:
+  once per worker here, not once per node (~2.5 s of CPU each). Importing it in each worker after it
+  registered was tried: registration came earlier, the first task later (on 2 cores, 8 workers importing
+  Prefect at once as the flow starts), so the worker is ready when it registers, as with the default;
 - runs dask-mpi's CLI (`dask_mpi.cli.main`) with `--scheduler-file` (Dask's file of this run, written when
   the scheduler listens), `--no-scheduler`, `--protocol tls|tcp`, `--interface`, `--local-directory`, and
   `--worker-options` (name, threads, memory limit, resources, env: this rank's own). The run's TLS

@@ -3,7 +3,8 @@
 A login-node run must exercise the same scheduling as the real job: the same workers, each advertising the
 same resources (GPU=1, CPU=8, MEMORY=…) and carrying the same environment. Only what the machine cannot
 give is scaled down: threads and memory limits to its cores and memory, and GPUs it lacks are still
-advertised, with CUDA_VISIBLE_DEVICES empty, so tasks tagged GPU=1 are placed as they would be there.
+advertised, with CUDA_VISIBLE_DEVICES empty, so tasks tagged GPU=1 are placed as they would be there. Workers
+here are not bound to cores (a login node or a laptop is shared; the kernel places them better there).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_garage.core.allocation import Allocation
+from hpc_garage.core.gpus import HIDDEN, PRIMARY, VARIABLES, worker_env
 from hpc_garage.core.request import Request
 from hpc_garage.launchers.common import (Launcher, forkserver_env, local_directory, security_from,
                                         start_worker_forkserver, worker_options, worker_preload)
@@ -22,12 +24,19 @@ from hpc_garage.core.layout import Layout, WorkerSpec, layout
 from hpc_garage.core.site import Site
 
 
-def machine_gpus() -> list[str]:
-    """GPU ids usable here: the inherited CUDA_VISIBLE_DEVICES, else NVIDIA device files."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return [x for x in visible.split(",") if x.strip() and x != "NoDevFiles"]
-    return sorted((p.name[6:] for p in Path("/dev").glob("nvidia[0-9]*")), key=int)
+def machine_gpus(vendor: str = "nvidia") -> list[str]:
+    """GPU ids usable here: the inherited list (CUDA_VISIBLE_DEVICES; ROCR_VISIBLE_DEVICES then HIP's;
+    ZE_AFFINITY_MASK, checked as a job's is), else NVIDIA device files, else the GPUs sysfs shows."""
+    from hpc_garage.core.gpus import job_gpus
+
+    listed = job_gpus(vendor, os.environ)
+    if listed.given:
+        return list(listed.ids)
+    if vendor == "nvidia":
+        return sorted((p.name[6:] for p in Path("/dev").glob("nvidia[0-9]*")), key=int)
+    from hpc_garage.launchers.topology import gpu_devices
+
+    return [str(i) for i in range(len(gpu_devices(vendor, os.environ)[0]))]
 
 
 def machine_shape() -> tuple[int, int]:
@@ -42,7 +51,8 @@ def local_layout(site: Site, cores: int | None = None, memory: int | None = None
     have_cores, have_memory = machine_shape()
     cores = have_cores if cores is None else cores
     memory = have_memory if memory is None else memory
-    gpus = machine_gpus() if gpus is None else gpus
+    vendor = site.node.gpu_vendor
+    gpus = machine_gpus(vendor) if gpus is None else gpus
     shaped = layout(site, Allocation.from_request(site, Request(nodes=1)))
     workers = shaped.workers
     notes = []
@@ -53,9 +63,8 @@ def local_layout(site: Site, cores: int | None = None, memory: int | None = None
     real = len(gpus) >= sum(len(w.gpu_slots) for w in gpu_workers) and gpu_workers
     for w in workers:
         env = dict(w.env) | {"OMP_NUM_THREADS": str(min(int(w.env["OMP_NUM_THREADS"]), share_threads))}
-        if w.gpu_slots or "CUDA_VISIBLE_DEVICES" in env:
-            ids = ",".join(gpus[s] for s in w.gpu_slots) if real else ""
-            env |= {var: ids for var in site.gpu_env_vars}
+        if w.gpu_slots or any(var in env for var in VARIABLES[vendor]):  # a GPU node's worker: pinned or hidden
+            env |= worker_env(vendor, [gpus[s] for s in w.gpu_slots] if real else [])
         fitted.append(replace(w, nthreads=min(w.nthreads, share_threads),
                               memory_limit=min(w.memory_limit, share_memory), env=env, host="localhost"))
     if any(f.nthreads < w.nthreads for f, w in zip(fitted, workers)):
@@ -64,8 +73,9 @@ def local_layout(site: Site, cores: int | None = None, memory: int | None = None
         notes.append("memory limits scaled to this machine's memory")
     if gpu_workers and not real:
         count = sum(len(w.gpu_slots) for w in gpu_workers)
+        hidden = "CUDA_VISIBLE_DEVICES empty" if vendor == "nvidia" else f"{PRIMARY[vendor]}={HIDDEN} (no GPU)"
         notes.append(f"this machine has {len(gpus)} GPUs: the {count} GPU workers advertise GPU resources "
-                     "but run with CUDA_VISIBLE_DEVICES empty")
+                     f"but run with {hidden}")
     return replace(shaped, workers=fitted), notes
 
 

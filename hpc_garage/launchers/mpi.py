@@ -31,7 +31,8 @@ from typing import Any
 from hpc_garage.core.errors import UserError
 from hpc_garage.launchers.common import (Launcher, end_process, forkserver_env, local_directory, node_gpus, run_entry,
                                         security_from, start_worker_forkserver, worker_options, worker_preload)
-from hpc_garage.core.layout import Layout, WorkerSpec, pin_gpus
+from hpc_garage.core.gpus import vendor_of
+from hpc_garage.core.layout import CPUS_ENV, Layout, WorkerSpec, pin_gpus
 from hpc_garage.schedulers import get, node_name, node_rank
 
 RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "PALS_RANKID")  # after the batch system's own
@@ -85,7 +86,9 @@ def write_rank_file(path: Path, layout_: Layout, *, scheduler_file: Path, tls: d
         "preload": preload,
         "interface": layout_.site.interface,
         "local_directory": layout_.site.local_directory,  # expanded on each node: $TMPDIR differs there
-        "gpu_env_vars": list(layout_.site.gpu_env_vars),
+        "gpu_env_vars": list(layout_.site.gpu_env_vars),  # read by older node processes
+        "gpu_vendor": layout_.site.node.gpu_vendor,
+        "bind_cpus": layout_.site.workers.bind_cpus,
         "hosts": [n.host for n in layout_.allocation.nodes],
         "workers": [w.to_dict() for w in layout_.workers],
     }
@@ -117,19 +120,39 @@ def node_index(name: str, hosts: list[str | None], rank: int | None) -> int:
                     f"launcher set no rank variable; set the site's mpi.launch")
 
 
-def node_workers(workers: list[WorkerSpec], node: int, gpus: list[str], gpu_env_vars: tuple[str, ...],
-                 shared_env: Mapping[str, str]) -> list[tuple[WorkerSpec, dict[str, str]]]:
-    """This node's workers, each with its whole environment: shared, its own, its GPUs pinned last."""
-    return [(w, {**shared_env, **w.env, **pin_gpus(w, gpus, gpu_env_vars)}) for w in workers if w.node == node]
+def node_workers(workers: list[WorkerSpec], node: int, gpus: list[str], gpu_vendor: str | tuple[str, ...],
+                 shared_env: Mapping[str, str], *, bind: bool = False,
+                 env: Mapping[str, str] | None = None) -> list[tuple[WorkerSpec, dict[str, str]]]:
+    """This node's workers, each with its whole environment: shared, its own, its GPUs pinned last (as the
+    site's `gpu_vendor` masks them), and with `bind`, its cores chosen on this machine (`env` says where its
+    topology is read: $HPC_GARAGE_SYSFS_ROOT) and printed, with what was assumed."""
+    mine = [(w, {**shared_env, **w.env, **pin_gpus(w, gpus, gpu_vendor)}) for w in workers if w.node == node]
+    if not bind or not mine:
+        return mine
+    from dataclasses import replace
+
+    from hpc_garage.launchers.topology import bind_here
+
+    vendor = vendor_of(gpu_vendor)
+    bound, notes = bind_here([replace(w, env=e) for w, e in mine], node, vendor, os.environ if env is None else env)
+    for note in notes:
+        print(f"hpc-garage: node {node}: {note}", file=sys.stderr, flush=True)
+    for w in bound:
+        if w.cpus:
+            print(f"hpc-garage: worker {w.name}: cores {w.env[CPUS_ENV]}, OMP_NUM_THREADS {w.env['OMP_NUM_THREADS']}, "
+                  f"{w.nthreads} threads", file=sys.stderr, flush=True)
+    return [(w, w.env) for w in bound]
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of one node process: `python -m hpc_garage.launchers.mpi RANKS.json`."""
     argv = sys.argv[1:] if argv is None else argv
     data: dict[str, Any] = json.loads(Path(argv[0]).read_text())
-    workers = [WorkerSpec(**{**w, "gpu_slots": tuple(w["gpu_slots"])}) for w in data["workers"]]
+    workers = [WorkerSpec.from_dict(w) for w in data["workers"]]
     node = node_index(node_name(os.environ), data["hosts"], launcher_rank(os.environ))
-    mine = node_workers(workers, node, node_gpus(os.environ), tuple(data["gpu_env_vars"]), data["env"])
+    vendor = data.get("gpu_vendor") or tuple(data["gpu_env_vars"])
+    mine = node_workers(workers, node, node_gpus(os.environ, vendor_of(vendor)), vendor, data["env"],
+                        bind=bool(data.get("bind_cpus")))
     if not mine:
         return 0
     start_worker_forkserver(forkserver_env(data["env"], [w for w, _ in mine]), data["preload"])

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from hpc_garage.core.errors import AllocationError, UserError
+from hpc_garage.core.gpus import EMPTY_WORDS, PRIMARY, job_gpus, vendor_of
 
 if TYPE_CHECKING:
     from hpc_garage.core.allocation import Allocation
@@ -97,35 +98,65 @@ class BatchSystem:
             raise
 
 
-def visible_gpus(env: Mapping[str, str], count_var: str | None, *also: str) -> tuple[tuple[str, ...], list[str]]:
-    """The GPU ids this job's processes can use, as they must write them in CUDA_VISIBLE_DEVICES.
+def visible_gpus(env: Mapping[str, str], vendor: str, count_var: str | None = None, *also: str,
+                 count: tuple[str, int] | None = None, fallback: tuple[str, tuple[str, ...]] | None = None,
+                 expected: tuple[str, int] | None = None) -> tuple[tuple[str, ...], list[str]]:
+    """The GPU ids this job's processes can use, as the vendor's runtime reads them (`core.gpus.job_gpus`:
+    CUDA_VISIBLE_DEVICES; ROCR_VISIBLE_DEVICES, then HIP's stage; ZE_AFFINITY_MASK), checked, never guessed.
 
-    CUDA_VISIBLE_DEVICES is what the job sees (cgroup-relative ints, or `GPU-…`/`MIG-…` UUIDs); other
-    variables (SLURM_JOB_GPUS: global ids) only cross-check the count. A mismatch is an error, not a guess.
-    Returns the ids and notes about assumptions.
+    The list is what the job sees (cgroup-relative ints, or UUIDs); the batch system's own variables only
+    cross-check it: `count_var` (SLURM_GPUS_ON_NODE) or `count` (a name and a number, e.g. from qstat) give
+    how many GPUs the node has, each of `also` (SLURM_STEP_GPUS, global ids) lists as many. `fallback` (a name
+    and its ids, e.g. Torque's PBS_GPUFILE) is used only where no vendor variable lists GPUs. `expected` (what
+    the site says, and how many) turns a job without GPUs on a GPU site into an error. Every contradiction is
+    one line naming the variable and its value. Returns the ids and notes about what was assumed.
     """
-    notes: list[str] = []
-    raw = env.get("CUDA_VISIBLE_DEVICES")
-    count = _int(env, count_var) if count_var and env.get(count_var) else None
-    if raw is not None and raw.strip() not in ("", "NoDevFiles"):
-        ids = tuple(x.strip() for x in raw.split(",") if x.strip())
-        if count is not None and count != len(ids):
-            raise AllocationError(
-                f"CUDA_VISIBLE_DEVICES={raw} lists {len(ids)} GPUs but {count_var}={count}; "
-                "unset the one you changed by hand"
-            )
-        for var in also:
-            other = [x for x in env.get(var, "").split(",") if x.strip()]
-            if other and len(other) != len(ids):
-                raise AllocationError(
-                    f"CUDA_VISIBLE_DEVICES={raw} lists {len(ids)} GPUs but {var}={env[var]} lists {len(other)}; "
-                    "unset the one you changed by hand"
-                )
+    listed = job_gpus(vendor, env)
+    notes = list(listed.notes)
+    counted = count
+    if count_var and env.get(count_var, "").strip():
+        counted = (f"{count_var}={env[count_var]}", _int(env, count_var))
+    others = [(var, [x for x in env[var].split(",") if x.strip()]) for var in also if env.get(var, "").strip()]
+    ids, source = listed.ids, listed.named()
+    if not listed.given and fallback is not None and fallback[1]:
+        ids, source = fallback[1], fallback[0]
+    if ids:
+        if counted is not None and counted[1] != len(ids):
+            raise AllocationError(f"{source} lists {len(ids)} GPUs but {counted[0]}; the job's GPU list "
+                                  "contradicts its allocation; unset the one you changed by hand")
+        for var, other in others:
+            if len(other) != len(ids):
+                raise AllocationError(f"{source} lists {len(ids)} GPUs but {var}={env[var]} lists {len(other)}; "
+                                      "unset the one you changed by hand")
         return ids, notes
-    if count:
-        notes.append(f"CUDA_VISIBLE_DEVICES is not set; using GPU ids 0..{count - 1} from {count_var}={count}")
-        return tuple(str(i) for i in range(count)), notes
+    granted = counted[0] if counted and counted[1] > 0 else next((f"{var}={env[var]}" for var, _ in others), None)
+    primary = PRIMARY[vendor_of(vendor)]
+    if granted:
+        said = (f"{listed.named()} lists none" if listed.given else
+                f"no {primary} lists them{_other_vendor(env, vendor)}")
+        raise AllocationError(f"the job has GPUs ({granted}) but {said}; hpc-garage never guesses GPU ids: run "
+                              f"inside the job's own environment, or fix {primary}")
+    if expected is not None and expected[1] > 0:
+        had = listed.named() if listed.given else f"no {primary}{_other_vendor(env, vendor)}"
+        raise AllocationError(f"{expected[0]} but this job has no GPUs ({had}); request GPUs (--gpus-per-node, "
+                              "--gres=gpu:N) or use a site without GPUs (node.gpus: 0)")
     return (), notes
+
+
+def _other_vendor(env: Mapping[str, str], vendor: str) -> str:
+    """A hint where another vendor's variable lists GPUs: the site may name the wrong vendor."""
+    for other, variable in PRIMARY.items():
+        if other != vendor_of(vendor) and env.get(variable, "").strip() not in EMPTY_WORDS:
+            return f" ({variable}={env[variable]} is set: is the site's node.gpu_vendor {other}?)"
+    return ""
+
+
+def site_gpus(site: Site) -> tuple[str, int]:
+    """How many GPUs the site says a job of it has on each node, in words for messages, and the number."""
+    gpus_per_job = site.jobqueue.gpus_per_job if site.launcher == "jobqueue" else None
+    if gpus_per_job is not None:
+        return f"site {site.name} gives each worker job {gpus_per_job} GPUs (jobqueue.gpus_per_job)", gpus_per_job
+    return f"site {site.name} says its nodes have {site.node.gpus} GPUs (node.gpus)", site.node.gpus
 
 
 def _int(env: Mapping[str, str], var: str) -> int:

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 from hpc_garage.core.allocation import Allocation, NodeAllocation
 from hpc_garage.core.errors import AllocationError, UserError
-from hpc_garage.schedulers.base import BatchSystem, JobStatus, WorkerJob, _int, fallback_memory, require, visible_gpus
+from hpc_garage.schedulers.base import (BatchSystem, JobStatus, WorkerJob, _int, fallback_memory, require, site_gpus,
+                                        visible_gpus)
 from hpc_garage.core.units import format_walltime, parse_memory, parse_walltime
 
 if TYPE_CHECKING:
@@ -54,9 +55,12 @@ class Pbs(BatchSystem):
             )
         info = parse_qstat_f(qstat_f(job_id))
         cores = _cores(env, info, len(hosts))
-        gpus, notes = visible_gpus(env, None)
-        if not gpus and env.get("PBS_GPUFILE"):
-            gpus = _gpus_from_gpufile(read_text(env["PBS_GPUFILE"]), hosts[0])
+        gpufile = None
+        if env.get("PBS_GPUFILE"):  # Torque: read only where no vendor variable lists the GPUs
+            gpufile = (f"PBS_GPUFILE={env['PBS_GPUFILE']}", _gpus_from_gpufile(read_text(env["PBS_GPUFILE"]), hosts[0],
+                                                                               env["PBS_GPUFILE"]))
+        gpus, notes = visible_gpus(env, site.node.gpu_vendor, count=_gpus_per_node(info, len(hosts)), fallback=gpufile,
+                                   expected=site_gpus(site))
         memory = _memory_per_node(info, len(hosts))
         if memory is None:
             memory, note = fallback_memory(site.node.memory, site.name, "no memory in qstat -f")
@@ -165,14 +169,28 @@ def _cores(env: Mapping[str, str], info: Mapping[str, str], nhosts: int) -> int:
     )
 
 
-def _gpus_from_gpufile(text: str, host: str) -> tuple[str, ...]:
-    """Torque's PBS_GPUFILE: one `host-gpuN` line per GPU."""
-    ids = []
+def _gpus_from_gpufile(text: str, host: str, path: str = "PBS_GPUFILE") -> tuple[str, ...]:
+    """Torque's PBS_GPUFILE: one `host-gpuN` line per GPU; a GPU listed twice is an error (two workers on it)."""
+    ids: list[str] = []
     for line in text.split():
         name, _, gpu = line.rpartition("-gpu")
         if name == host and gpu.isdigit():
+            if gpu in ids:
+                raise AllocationError(f"PBS_GPUFILE={path} lists {host}-gpu{gpu} twice: two workers would share it; "
+                                      "check the job's GPU file")
             ids.append(gpu)
     return tuple(ids)
+
+
+def _gpus_per_node(info: Mapping[str, str], nhosts: int) -> tuple[str, int] | None:
+    """The GPUs per node qstat -f says the job has (`ngpus` of a one-kind select, or the total over nodes)."""
+    select = info.get("Resource_List.select", "")
+    if "+" not in select and (m := re.search(r"ngpus=(\d+)", select)):
+        return f"qstat -f Resource_List.select={select}", int(m.group(1))
+    total = info.get("Resource_List.ngpus", "")
+    if not select and total.isdigit() and int(total) % nhosts == 0:
+        return f"qstat -f Resource_List.ngpus={total} over {nhosts} nodes", int(total) // nhosts
+    return None
 
 
 def parse_qstat_f(text: str) -> dict[str, str]:

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 from hpc_garage.core.allocation import Allocation, NodeAllocation
 from hpc_garage.core.errors import AllocationError
-from hpc_garage.schedulers.base import BatchSystem, JobStatus, WorkerJob, _int, fallback_memory, require, visible_gpus
+from hpc_garage.schedulers.base import (BatchSystem, JobStatus, WorkerJob, _int, fallback_memory, require, site_gpus,
+                                        visible_gpus)
 from hpc_garage.core.units import format_walltime, mib
 
 if TYPE_CHECKING:
@@ -35,7 +36,9 @@ class Slurm(BatchSystem):
                 "the job's environment is inconsistent (was it copied from another job?)"
             )
         cores = _cores_per_node(env, len(hosts))
-        gpus, notes = visible_gpus(env, "SLURM_GPUS_ON_NODE", "SLURM_JOB_GPUS")
+        # inside an srun task SLURM_JOB_GPUS is the batch node's list, copied; the task's own is SLURM_STEP_GPUS
+        listed = "SLURM_STEP_GPUS" if env.get("SLURM_STEP_GPUS", "").strip() else "SLURM_JOB_GPUS"
+        gpus, notes = visible_gpus(env, site.node.gpu_vendor, "SLURM_GPUS_ON_NODE", listed, expected=site_gpus(site))
         if len(hosts) > 1 and gpus:
             notes.append("GPU ids of nodes after the first are read by each worker on its own node")
         nodes = []

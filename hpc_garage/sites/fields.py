@@ -24,7 +24,7 @@ SECTIONS: dict[str, dict[str, Any]] = {
             {
                 "name": "workers",
                 "kind": "section",
-                "default": {"per": "node", "processes": 1, "threads": None, "reserve_memory": 0},
+                "default": {"per": "node", "processes": 1, "threads": None, "reserve_memory": 0, "bind_cpus": True},
                 "section": "workers",
             },
             {
@@ -88,7 +88,7 @@ SECTIONS: dict[str, dict[str, Any]] = {
             {"name": "memory", "kind": "int", "required": True, "convert": "node_memory", "gt": 0},
             {"name": "gpus", "kind": "int", "default": 0, "ge": 0},
             {"name": "gpu_type", "kind": "str", "optional": True, "default": None},
-            {"name": "gpu_vendor", "kind": "choice", "default": "nvidia", "choices": ["nvidia", "amd"]},
+            {"name": "gpu_vendor", "kind": "choice", "default": "nvidia", "choices": ["nvidia", "amd", "intel"]},
         ],
     },
     "workers": {
@@ -100,6 +100,7 @@ SECTIONS: dict[str, dict[str, Any]] = {
             {"name": "processes", "kind": "int", "default": 1, "gt": 0},
             {"name": "threads", "kind": "int", "optional": True, "default": None, "gt": 0},
             {"name": "reserve_memory", "kind": "int", "default": 0, "convert": "memory", "ge": 0},
+            {"name": "bind_cpus", "kind": "bool", "default": True},
         ],
     },
     "limits": {

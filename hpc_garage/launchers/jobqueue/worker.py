@@ -22,7 +22,7 @@ import signal
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,8 @@ from hpc_garage.schedulers import allocation_from_env, node_name
 from hpc_garage.core.errors import UserError
 from hpc_garage.launchers.common import (forkserver_env, local_directory, node_gpus, run_entry, security_from,
                                         start_worker_forkserver, worker_preload)
-from hpc_garage.core.layout import WorkerSpec, pin_gpus, layout
+from hpc_garage.core.gpus import VARIABLES
+from hpc_garage.core.layout import CPUS_ENV, WorkerSpec, pin_gpus, layout
 from hpc_garage.core.pools import JobShape, advertised, job_shapes, lifetime, worker_names
 from hpc_garage.core.site import Site, parse_site_dict
 from hpc_garage.core.units import format_bytes, format_walltime
@@ -47,9 +48,10 @@ class JobWorker:
     resources: dict[str, float]  # the spec's, plus the UNTAGGED marker where the pool takes such tasks
 
 
-def job_workers(shape: JobShape, job_name: str, allocation: Allocation,
-                env: Mapping[str, str]) -> tuple[list[JobWorker], list[str]]:
-    """This job's workers, from its real allocation; and what was assumed or left unused, in words."""
+def job_workers(shape: JobShape, job_name: str, allocation: Allocation, env: Mapping[str, str], *,
+                bind: bool = False) -> tuple[list[JobWorker], list[str]]:
+    """This job's workers, from its real allocation; and what was assumed or left unused, in words. With
+    `bind` (and the site's workers.bind_cpus), each is bound to its cores on this machine, next to its GPUs."""
     specs = [w for w in layout(shape.site, allocation).workers if w.node == 0]
     want = shape.workers_per_job
     if len(specs) < want:
@@ -62,12 +64,17 @@ def job_workers(shape: JobShape, job_name: str, allocation: Allocation,
     if len(specs) > want:
         notes.append(f"the allocation holds {len(specs)} workers; starting the {want} the pool's jobs have")
         specs = specs[:want]
-    gpus = node_gpus(env)
-    workers = []
-    for name, spec in zip(worker_names(job_name, want), specs):
-        pinned = pin_gpus(spec, gpus, shape.site.gpu_env_vars)
-        workers.append(JobWorker(name=name, spec=spec, env={**spec.env, **pinned},
-                                 resources=advertised(spec.resources, untagged=shape.untagged, marker=shape.marker)))
+    vendor = shape.site.node.gpu_vendor
+    gpus = node_gpus(env, vendor)
+    specs = [replace(spec, env={**spec.env, **pin_gpus(spec, gpus, vendor)}) for spec in specs]
+    if bind and shape.site.workers.bind_cpus:
+        from hpc_garage.launchers.topology import bind_here
+
+        specs, bound_notes = bind_here(specs, 0, vendor, env)
+        notes += bound_notes
+    workers = [JobWorker(name=name, spec=spec, env=dict(spec.env),
+                         resources=advertised(spec.resources, untagged=shape.untagged, marker=shape.marker))
+               for name, spec in zip(worker_names(job_name, want), specs)]
     return workers, notes
 
 
@@ -91,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     site: Site = parse_site_dict(data["site"], origin=f"site of {args.worker_file}")
     shape = job_shapes(site)[data["pool"]]
     allocation = allocation_from_env(shape.site)
-    workers, notes = job_workers(shape, args.name, allocation, os.environ)
+    workers, notes = job_workers(shape, args.name, allocation, os.environ, bind=True)
     remaining = allocation.end_time - time.time() if allocation.end_time else None
     life, stagger = lifetime(shape.site, remaining)
     os.environ.update(data["env"])  # the run's worker environment (Prefect API, logging) for every process here
@@ -108,6 +115,10 @@ async def _serve(data: dict[str, Any], shape: JobShape, workers: list[JobWorker]
     security = security_from(data["tls"])
     site = shape.site
     where = {"interface": site.interface} if site.interface else {}
+    if any(w.spec.cpus for w in workers):
+        from hpc_garage.launchers.affinity import BoundWorker
+
+        where["worker_class"] = BoundWorker  # binds itself to the $HPC_GARAGE_CPUS in its env (unset: unbound)
     nannies = [
         Nanny(data["address"], name=w.name, nthreads=w.spec.nthreads, memory_limit=w.spec.memory_limit,
               resources=w.resources, env={**data["env"], **w.env}, security=security,
@@ -129,10 +140,11 @@ async def _serve(data: dict[str, Any], shape: JobShape, workers: list[JobWorker]
     node = node_name(os.environ)
     await asyncio.gather(*(n.start() for n in nannies))
     for w in workers:
-        gpus = {k: v for k, v in w.env.items() if k.endswith("VISIBLE_DEVICES")}
+        gpus = {k: w.env[k] for k in VARIABLES[site.node.gpu_vendor] if k in w.env}
+        cores = f", cores {w.env[CPUS_ENV]}" if w.spec.cpus else ""
         _say(f"worker {w.name} on {node}: {w.spec.nthreads} threads, {format_bytes(w.spec.memory_limit)}, "
-             f"resources {w.spec.resources_arg}, {' '.join(f'{k}={v}' for k, v in gpus.items()) or 'no GPUs'}; "
-             f"retires after {format_walltime(life)} ± {stagger} s")
+             f"resources {w.spec.resources_arg}, {' '.join(f'{k}={v}' for k, v in gpus.items()) or 'no GPUs'}"
+             f"{cores}; retires after {format_walltime(life)} ± {stagger} s")
     await asyncio.gather(*(n.finished() for n in nannies))
     return 0 if not stopping else 128 + stopping[0]
 
