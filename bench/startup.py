@@ -8,6 +8,8 @@ SLURM contenders, each a user's whole path from submitting to a first Prefect ta
   the job's start); `run` starts the scheduler, one rank per GPU and the flow (first_task.py); its workers
   count as registered when `run` publishes the scheduler file (its mtime), the peers' when
   `client.wait_for_workers` returns.
+- hpc-garage's dask-mpi mode: the same with `mpi: {launch: dask-mpi}` (site lab-gpu-dask-mpi): one MPI rank
+  per worker (`srun --mpi=pmix`), each running dask-mpi's worker side against `run`'s scheduler.
 - dask-mpi written by hand: `mpirun dask-mpi --scheduler-file ...` (scheduler on rank 0) plus the user's
   client script, `Client(scheduler_file=...)` + prefect-dask (peer_driver.py), in one batch script.
 - dask-jobqueue's SLURMRunner under plain srun (slurmrunner_driver.py).
@@ -37,12 +39,14 @@ from bench.common import (BENCH_TMP, BIN, PYTHON, ROOT, SCRIPTS, Figure, Jobs, P
                           read_json_when_ready, say, scratch, wait_for_free_nodes)
 
 OURS = "hpc-garage mpi launcher (hpc-garage submit)"
+OURS_DASK_MPI = "hpc-garage dask-mpi mode, mpi: {launch: dask-mpi} (hpc-garage submit)"
 DASK_MPI = "dask-mpi CLI + Client(scheduler_file) by hand"
 RUNNER = "dask-jobqueue SLURMRunner under srun"
 CLUSTER = "dask-jobqueue SLURMCluster, one job per node"
 LOGIN_OURS = "hpc-garage run -- python sweep.py"
 LOGIN_PLAIN = "@flow(task_runner=DaskTaskRunner()), no Prefect server configured"
 SITE = "bench-lab-gpu"
+SITE_DASK_MPI = "bench-lab-gpu-dask-mpi"
 WORKERS_PER_NODE = 4
 PHASES = Phases()  # where the wall time goes: waiting for nodes, submit -> sample, ending the job, login runs
 
@@ -79,10 +83,13 @@ def slurm_startup(nodes: int, runs: int, jobs: Jobs) -> list[Figure]:
     api = ensure_api()  # one running API for everyone, as a site would have
     sites = scratch("sites-")
     lab = (ROOT / "site-configs" / "lab-gpu.yaml").read_text()
-    (sites / f"{SITE}.yaml").write_text(lab + '\nsetup:\n  - date +%s.%N > "$HPC_GARAGE_BENCH_DIR/job_start"\n')
+    stamp = '\nsetup:\n  - date +%s.%N > "$HPC_GARAGE_BENCH_DIR/job_start"\n'
+    (sites / f"{SITE}.yaml").write_text(lab + stamp)
+    (sites / f"{SITE_DASK_MPI}.yaml").write_text((ROOT / "site-configs" / "lab-gpu-dask-mpi.yaml").read_text() + stamp)
     env = {**os.environ, **api, "HPC_GARAGE_SITES_PATH": str(sites)}
     contenders: dict[str, Callable[[Path], dict[str, float]]] = {
         OURS: lambda d: _hpc_garage(d, nodes, env, jobs),
+        OURS_DASK_MPI: lambda d: _hpc_garage(d, nodes, env, jobs, site=SITE_DASK_MPI),
         DASK_MPI: lambda d: _dask_mpi(d, nodes, env, jobs),
         RUNNER: lambda d: _slurm_runner(d, nodes, env, jobs),
         CLUSTER: lambda d: _slurm_cluster(d, nodes, env, jobs),
@@ -114,19 +121,19 @@ def slurm_startup(nodes: int, runs: int, jobs: Jobs) -> list[Figure]:
     for key, what in (("registered", "job running -> all workers registered"),
                       ("first_task", "submit -> first task started")):
         group = f"start-up, {shape}: {what}"
-        block = [Figure(group, name, "s", [s[key] for s in samples[name]], ours=name == OURS,
+        block = [Figure(group, name, "s", [s[key] for s in samples[name]], ours=name in (OURS, OURS_DASK_MPI),
                         note=failures.get(name, "")) for name in contenders]
         compare(block, "<= 0.8x the best peer", lambda ours, peers: ratio_to_best(ours, peers) <= 0.8)
         figures += block
     return figures
 
 
-def _hpc_garage(directory: Path, nodes: int, env: dict[str, str], jobs: Jobs) -> dict[str, float]:
+def _hpc_garage(directory: Path, nodes: int, env: dict[str, str], jobs: Jobs, site: str = SITE) -> dict[str, float]:
     out = directory / "out.json"
     run_env = {**env, "HPC_GARAGE_BENCH_DIR": str(directory)}
     submitted = time.time()
     with PHASES("submit -> sample"):
-        done = subprocess.run([str(BIN / "hpc-garage"), "submit", "--site", SITE, "--nodes", str(nodes),
+        done = subprocess.run([str(BIN / "hpc-garage"), "submit", "--site", site, "--nodes", str(nodes),
                                str(SCRIPTS / "first_task.py"), str(out)], env=run_env, cwd=directory,
                               capture_output=True, text=True, timeout=60)
     if done.returncode != 0:
