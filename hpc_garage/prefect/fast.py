@@ -61,6 +61,7 @@ DISABLE_ENV = "HPC_GARAGE_PREFECT_FAST"
 TESTED_PREFECT = "3.8.8"
 PREFECT_RANGE = ((3, 4), (3, 10))  # [low, high): Prefect 3 releases whose internals these hooks match
 TAG_LIMITS_TTL = 60.0  # s a worker trusts "these tags have no concurrency limits" (Prefect's own: 5 s)
+NOT_READY = "NotReady"  # the Pending state Prefect's engine leaves a task in when an upstream did not complete
 CONTEXT_KEYS = frozenset({"flow_run_context", "task_run_context", "tags_context", "settings_context",
                           "asset_context", "deployment_id", "deployment_parameters"})
 
@@ -213,39 +214,47 @@ class Pickled:
 
 
 def await_recorded(task_run_ids: list[uuid.UUID], timeout: float) -> int:
-    """Wait until Prefect's API holds each of these task runs in a final state; return how many it lacks.
+    """Wait until Prefect's API holds each of these task runs in the state its engine ended it in; return
+    how many it lacks.
 
     Prefect 3 records task runs from the events their workers send, and the server persists them a little
     later (here 2–6 s behind 300 tasks at ~60 tasks/s). Waiting at the end of the flow keeps what plain
     prefect-dask's slowness gave for free: when the flow returns, the API shows every finished task.
+    A task whose upstream failed ends NotReady, a Pending state that is its last: it counts as recorded
+    (waiting for a final state there held every flow with a failed trial for the whole timeout).
     The server is asked for counts only, with backoff: it is busy catching up.
     """
     import time
 
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterId, TaskRunFilterState, TaskRunFilterStateType
+    from prefect.client.schemas.filters import (Operator, TaskRunFilter, TaskRunFilterId, TaskRunFilterState,
+                                                TaskRunFilterStateName, TaskRunFilterStateType)
     from prefect.client.schemas.objects import StateType
 
-    final = TaskRunFilterState(type=TaskRunFilterStateType(any_=[
-        StateType.COMPLETED, StateType.FAILED, StateType.CRASHED, StateType.CANCELLED]))
+    ended = TaskRunFilterState(
+        operator=Operator.or_,
+        type=TaskRunFilterStateType(any_=[StateType.COMPLETED, StateType.FAILED, StateType.CRASHED,
+                                          StateType.CANCELLED]),
+        name=TaskRunFilterStateName(any_=[NOT_READY]))
     ids = list(dict.fromkeys(task_run_ids))
     chunks = [ids[i:i + 1000] for i in range(0, len(ids), 1000)]
-    deadline, pause = time.monotonic() + timeout, 0.1
+    deadline, pause, missing = time.monotonic() + timeout, 0.1, len(ids)
     with get_client(sync_client=True) as client:
 
-        def recorded(chunk: list[uuid.UUID]) -> bool:
-            body = TaskRunFilter(id=TaskRunFilterId(any_=chunk), state=final).model_dump(mode="json")
+        def lacking(chunk: list[uuid.UUID]) -> int:
+            body = TaskRunFilter(id=TaskRunFilterId(any_=chunk), state=ended).model_dump(mode="json")
             response = client.request("POST", "/task_runs/count", json={"task_runs": body})
             response.raise_for_status()
-            return int(response.json()) >= len(chunk)
+            return max(0, len(chunk) - int(response.json()))
 
         while chunks:
-            chunks = [c for c in chunks if not recorded(c)]
+            counts = [(c, lacking(c)) for c in chunks]
+            chunks, missing = [c for c, n in counts if n], sum(n for _, n in counts)
             if not chunks or time.monotonic() > deadline:
                 break
             time.sleep(pause)
             pause = min(pause * 1.5, 2.0)
-    return sum(len(c) for c in chunks)
+    return missing
 
 
 # ---------------------------------------------------------------------------------------- worker side
