@@ -5,8 +5,13 @@
   started; the runner connects to it with the job's TLS credentials;
 - anywhere else: the runner starts a local cluster shaped like one node of $HPC_GARAGE_SITE (default
   `local`), TLS on loopback too, since other users of a login node can reach its ports;
-- either way the flow and every worker use one Prefect API (`prefect_server.ensure_api`); without that,
-  each worker process starts its own temporary server on one SQLite file.
+- either way the flow and every worker use one Prefect API (`settle_api`: the one Prefect's settings name,
+  `prefect_test_harness()`'s included, else hpc-garage's server); without that, each worker process starts
+  its own temporary server on one SQLite file.
+
+A task may submit tasks (the runner's copy on the worker connects with that worker's credentials), and
+prefect-dask's `cluster_kwargs` for its LocalCluster are honoured on the local cluster where they make sense
+(`processes`, `dashboard_address`) and refused in one line where they do not (`n_workers`, ...).
 
 prefect-dask 0.3.7 ignores `dask-resource:` tags, so a "GPU" task may land on a CPU worker. HpcTaskRunner
 submits each tagged task under `dask.annotate(resources=...)`, merged with the caller's own annotation.
@@ -54,23 +59,69 @@ def task_runner(*, site: str | Site | None = None, **kwargs: Any) -> HpcTaskRunn
     It is built when the flow is decorated, before the flow's first API call: the only moment at which
     the flow process can still be pointed at the shared Prefect API.
     """
-    from hpc_garage.prefect.server import ensure_api
-
     if kwargs.get("address") or kwargs.get("cluster") or kwargs.get("cluster_class"):
-        use_api(ensure_api())  # the caller chose the cluster; the API is still ours to settle
+        settle_api()  # the caller chose the cluster; the API is still ours to settle
         return HpcTaskRunner(**kwargs)
     handoff = handoff_from_env()
     if handoff is not None:
-        use_api(ensure_api(host=_local_address_towards(handoff.address)))
+        settle_api(host=_local_address_towards(handoff.address))
         client_kwargs = {"security": handoff.security(), **kwargs.pop("client_kwargs", {})}
         return HpcTaskRunner(address=handoff.address, client_kwargs=client_kwargs, **kwargs)
     from distributed.security import Security
 
-    api = ensure_api()
-    use_api(api)
-    cluster_kwargs = {"site": site or os.environ.get(SITE_ENV) or "local", "env": api,
-                      "security": Security.temporary(), **kwargs.pop("cluster_kwargs", {})}
+    site = site or os.environ.get(SITE_ENV) or "local"
+    cluster_kwargs = local_cluster_kwargs(site, kwargs.pop("cluster_kwargs", None) or {})
+    cluster_kwargs = {"site": site, "env": settle_api(), "security": Security.temporary(), **cluster_kwargs}
     return HpcTaskRunner(cluster_class=LOCAL_CLUSTER, cluster_kwargs=cluster_kwargs, **kwargs)
+
+
+def settle_api(host: str = "127.0.0.1") -> dict[str, str]:
+    """The Prefect API of this flow and its workers, as the environment a worker needs to reach it.
+
+    The one Prefect's current settings name, when they name one: the environment and profile as Prefect
+    read them, or settings made in code (`prefect_test_harness()`, `temporary_settings`); this process
+    uses it already and nothing is exported. Otherwise `ensure_api` (the environment and profile as they
+    are now, else hpc-garage's server, started if need be), exported to this process.
+    """
+    from prefect.settings import get_current_settings
+
+    from hpc_garage.prefect.server import ensure_api
+
+    api = get_current_settings().api
+    if api.url:
+        env = {"PREFECT_API_URL": str(api.url)}
+        for name, secret in (("PREFECT_API_AUTH_STRING", api.auth_string), ("PREFECT_API_KEY", api.key)):
+            if secret is not None and secret.get_secret_value():
+                env[name] = secret.get_secret_value()
+        return env
+    env = ensure_api(host=host)
+    use_api(env)
+    return env
+
+
+# distributed.LocalCluster's arguments (prefect-dask documents them for its default cluster) that the local
+# cluster honours: processes=False makes its workers threads of the flow process, dashboard_address places
+# (or, None, turns off) the dashboard. The others describe workers, which here are one node of the site.
+LOCAL_CLUSTER_ARGS = frozenset({"processes", "dashboard_address"})
+
+
+def local_cluster_kwargs(site: str | Site, given: dict[str, Any]) -> dict[str, Any]:
+    """`cluster_kwargs` for the local cluster: LocalCluster's arguments it honours are kept, the others
+    refused in one line that says why (Dask's TypeError said neither)."""
+    import inspect
+
+    from distributed import LocalCluster, SpecCluster
+
+    local_only = set(inspect.signature(LocalCluster).parameters) - set(inspect.signature(SpecCluster).parameters)
+    refused = sorted(set(given) & local_only - LOCAL_CLUSTER_ARGS)
+    if refused:
+        name = site if isinstance(site, str) else site.name
+        raise UserError(
+            f"task_runner(cluster_kwargs={{{refused[0]!r}: ...}}): hpc-garage's local cluster has the workers of "
+            f"one node of site {name!r} (`hpc-garage show --site {name}`), not distributed.LocalCluster's "
+            f"{', '.join(refused)}; choose another site (site=..., ${SITE_ENV}), or pass "
+            "cluster_class=\"distributed.LocalCluster\" for prefect-dask's own cluster")
+    return dict(given)
 
 
 class HpcTaskRunner(DaskTaskRunner):
@@ -88,6 +139,11 @@ class HpcTaskRunner(DaskTaskRunner):
     def __enter__(self) -> HpcTaskRunner:
         if not (self.address or runner_has_cluster(self)):
             _refuse_unguarded_flow_call()
+        if "security" not in self.client_kwargs and (security := _running_worker_security()) is not None:
+            # a task submitting tasks: Prefect entered this copy of the flow's runner on a Dask worker, and
+            # prefect-dask connects it to the worker's scheduler with client_kwargs alone; on a TLS cluster
+            # those must carry the credentials, which the local path keeps in cluster_kwargs
+            self.client_kwargs = {**self.client_kwargs, "security": security}
         super().__enter__()
         return self
 
@@ -120,6 +176,9 @@ class HpcTaskRunner(DaskTaskRunner):
             future = super().submit(task, parameters, wait_for, dependencies)
         else:
             dask_future = self.client.submit(prefect_fast.run_task, key=call.key, pure=False, **call.kwargs)
+            # as prefect-dask's client does: Prefect finds a downstream task's upstream runs (and so their
+            # assets) through the task_run_id of the dask futures among its arguments
+            dask_future.task_run_id = call.task_run_id
             future = PrefectDaskFuture(wrapped_future=dask_future, task_run_id=call.task_run_id)
         run_id, finished = future.task_run_id, self._finished  # not self: no cycle through the dask client
         future.wrapped_future.add_done_callback(lambda f: f.status == "finished" and finished.append(run_id))
@@ -199,6 +258,16 @@ def task_resources(task: Any) -> dict[str, float]:
     except UserError as exc:
         raise UserError(f"task {task.name!r}: {exc}") from None
     return {k: v for k, v in resources.items() if v > 0}
+
+
+def _running_worker_security() -> Any:
+    """The credentials of the Dask worker running the current task, or None outside a task."""
+    from distributed import get_worker
+
+    try:
+        return get_worker().security
+    except ValueError:
+        return None
 
 
 def use_api(env: dict[str, str]) -> None:
