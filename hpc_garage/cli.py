@@ -219,7 +219,15 @@ def show(site_name: str, as_json: bool, as_script: bool, worker_script: bool, co
     from hpc_garage.core.layout import describe, layout
     from hpc_garage.schedulers import allocation_for
 
-    layout_ = layout(site, allocation_for(site, _request(request)))
+    import os
+
+    allocation = allocation_for(site, _request(request))
+    layout_ = layout(site, allocation)
+    if allocation.source != "request" or os.environ.get("HPC_GARAGE_SYSFS_ROOT"):
+        # this job's own node (or a described one): its workers' cores, as they will be bound here
+        from hpc_garage.launchers.topology import bound_layout
+
+        layout_ = bound_layout(layout_, os.environ)
     if as_json:  # indented while a person might read it; compact and ~50x faster for thousands of workers
         stdout = click.get_text_stream("stdout")  # not echo: it would scan 8 MB for ANSI codes
         if layout_.worker_count > SHOW_JSON_INDENT_MAX:

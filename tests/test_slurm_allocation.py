@@ -40,6 +40,7 @@ def test_sbatch_job_reads_what_it_asked_for(tmp_path: Path) -> None:
 def test_qsub_job_reads_a_pbs_allocation(tmp_path: Path) -> None:
     out = tmp_path / "alloc.json"
     script = tmp_path / "job.pbs"
+    # A CPU job, read with a PBS CPU site (a GPU site now refuses a job without GPUs: issue 13).
     # Slurm's Torque wrapper sets PBS_JOBID but never PBS_NODEFILE or NCPUS: give the job what PBS would,
     # and drop every SLURM variable, so the PBS reader is the only one that can answer.
     script.write_text(f"""#!/bin/bash
@@ -48,7 +49,7 @@ def test_qsub_job_reads_a_pbs_allocation(tmp_path: Path) -> None:
 #PBS -q cpu
 export PBS_NODEFILE=$(generate_pbs_nodefile) NCPUS=2
 for v in ${{!SLURM_@}}; do [ "$v" = SLURM_CONF ] || unset "$v"; done
-{READ} lab-pbs {out}
+{READ} pbs-cpu {out}
 """)
     job = submit(["qsub"], script)
     assert exit_code(wait_gone(job)) == 0

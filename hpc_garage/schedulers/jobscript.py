@@ -117,6 +117,9 @@ def job_spec(
             raise UserError("give either --cores-per-node or -c/--cpus-per-task (cores per worker), not both")
         request = replace(request, cores_per_node=_cores_for(site, request))
     allocation = Allocation.from_request(site, request)
+    if site.node.gpus and not allocation.nodes[0].gpus:  # the job would refuse itself: a GPU site without GPUs
+        raise UserError(f"--gpus-per-node 0: site {site.name}'s nodes have {site.node.gpus} GPUs, and inside the "
+                        "job a GPU site without GPUs is an error; ask for GPUs, or use a CPU site")
     layout_ = layout(site, allocation)
     first = [w for w in layout_.workers if w.node == 0]
     site_gpu_type = site.node.gpu_type
