@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from hpc_garage.core.errors import UserError
+from hpc_garage.variables import WORKER_PRELOAD, modules
 from hpc_garage.core.layout import WorkerSpec
 
 
@@ -69,7 +70,7 @@ def _names(names: list[str]) -> str:
     return ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
 
 
-PRELOAD_ENV = "HPC_GARAGE_WORKER_PRELOAD"
+PRELOAD_ENV = WORKER_PRELOAD
 PREFECT_PRELOAD = ("hpc_garage.prefect.worker",)  # Prefect's task path and its one-time set-up
 # What the scheduler needs to unpickle a flow script's Prefect tasks (it does, for every task it is sent).
 PREFECT_SCHEDULER_PRELOAD = ("prefect.flows", "hpc_garage.prefect.task_runner")
@@ -79,8 +80,8 @@ def worker_preload(env: Mapping[str, str]) -> list[str]:
     """Modules every worker process starts with: $HPC_GARAGE_WORKER_PRELOAD (comma-separated), else
     distributed and, where Prefect is installed, its task path (else each worker imports Prefect, ~2 s of
     CPU, when its first task arrives)."""
-    if PRELOAD_ENV in env:
-        return [m.strip() for m in env[PRELOAD_ENV].split(",") if m.strip()]
+    if (given := modules(env, PRELOAD_ENV)) is not None:
+        return given
     with_prefect = importlib.util.find_spec("prefect") is not None
     return ["distributed", *(PREFECT_PRELOAD if with_prefect else ())]
 

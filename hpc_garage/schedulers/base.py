@@ -26,8 +26,13 @@ class BatchSystem:
     job_id_variable: ClassVar[str] = ""  # SLURM_JOB_ID, PBS_JOBID
 
     def job_id(self, env: Mapping[str, str]) -> str | None:
-        """The id of the job this environment belongs to."""
-        return env.get(self.job_id_variable) or None if self.job_id_variable else None
+        """The id of the job this environment belongs to; one that could not be a job id (`../x`) is refused,
+        since it names the job's run directory."""
+        value = env.get(self.job_id_variable) if self.job_id_variable else None
+        if value and (not JOB_ID.fullmatch(value) or ".." in value):
+            raise AllocationError(f"{self.job_id_variable}={value!r} is not a job id (like 12, 12.server or 12_3); "
+                                  "check the job's environment")
+        return value or None
 
     def allocation_from_env(self, env: Mapping[str, str], site: Site) -> Allocation:
         raise NotImplementedError

@@ -41,6 +41,7 @@ class Pbs(BatchSystem):
         qstat_f: Callable[[str], str] = _qstat_f,
     ) -> Allocation:
         job_id = require(env, "PBS_JOBID", "this is not a PBS job")
+        job_id = self.job_id(env) or job_id  # checked: it names the run directory
         nodefile = require(env, "PBS_NODEFILE", "the job's hosts are unknown")
         try:
             lines = [ln.strip() for ln in read_text(nodefile).splitlines() if ln.strip()]

@@ -27,6 +27,7 @@ class Slurm(BatchSystem):
 
     def allocation_from_env(self, env: Mapping[str, str], site: Site) -> Allocation:
         job_id = require(env, "SLURM_JOB_ID", "this is not a SLURM job")
+        job_id = self.job_id(env) or job_id  # checked: it names the run directory
         nodelist = env.get("SLURM_JOB_NODELIST") or require(env, "SLURM_NODELIST", "the job's nodes are unknown")
         hosts = expand_hostlist(nodelist)
         count_var = "SLURM_JOB_NUM_NODES" if env.get("SLURM_JOB_NUM_NODES") else "SLURM_NNODES"
