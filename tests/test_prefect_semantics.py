@@ -180,7 +180,7 @@ class Records(logging.Handler):
 
 def test_a_flow_with_a_failed_trial_ends_soon_after_its_last_task(runner: HpcTaskRunner,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(HpcTaskRunner, "RECORD_TIMEOUT", 20.0)  # the old wait would run it out: fails in 20 s
+    monkeypatch.setattr(HpcTaskRunner, "RECORD_TIMEOUT", 30.0)  # the old wait ran it out: fails in 30 s, not 120
     records = Records()
     logger = logging.getLogger("prefect.task_runner")
     logger.addHandler(records)
@@ -201,7 +201,7 @@ def test_a_flow_with_a_failed_trial_ends_soon_after_its_last_task(runner: HpcTas
     finally:
         logger.removeHandler(records)
     ids = state.result()
-    assert returned - ended[0] < 5, f"the flow returned {returned - ended[0]:.1f} s after its last task"
+    assert returned - ended[0] < 8, f"the flow returned {returned - ended[0]:.1f} s after its last task"
     assert not [line for line in records.lines if "had not recorded" in line], records.lines
     runs = {r.id: r for r in task_runs(state.state_details.flow_run_id)}  # read at once: the runner waited
     states = sorted((r.name.rsplit("-", 1)[0], r.state.name) for r in runs.values() if r.id in ids)
