@@ -17,17 +17,31 @@ from hpc_garage.launchers.local import local_layout, worker_specs
 
 
 def cluster_specs(workers: list[Any], *, security: Any = None, env: dict[str, str] | None = None,
-                  local_directory: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """SpecCluster's `scheduler` and `workers` specs: loopback only, TLS when a Security is given."""
-    from distributed import Scheduler
+                  local_directory: str | None = None, processes: bool = True,
+                  dashboard_address: str | None = ":0") -> tuple[dict[str, Any], dict[str, Any]]:
+    """SpecCluster's `scheduler` and `workers` specs: loopback only, TLS when a Security is given.
+
+    `processes` and `dashboard_address` mean what they mean to distributed.LocalCluster (prefect-dask
+    documents them): processes=False makes each worker a thread pool of this process, with its threads,
+    memory limit and resources, sharing this process's environment and cores; dashboard_address=None: no
+    dashboard.
+    """
+    from distributed import Scheduler, Worker
 
     from hpc_garage.cluster.placement import FreeResourcePlacement
 
     protocol = "tls" if security is not None else "tcp"
-    scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "port": 0, "dashboard_address": ":0",
+    dashboard = ({"dashboard_address": dashboard_address} if dashboard_address is not None
+                 else {"dashboard_address": ":0", "dashboard": False})  # its HTTP routes still bind: a free port
+    scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "port": 0, **dashboard,
                                                 "security": security, "protocol": protocol,
                                                 "plugins": [FreeResourcePlacement()]}}  # see placement.py
-    return scheduler, worker_specs(workers, security=security, env=env, local_directory=local_directory)
+    specs = worker_specs(workers, security=security, env=env, local_directory=local_directory)
+    if not processes:  # a thread pool of this process has no environment or cores of its own: Nanny options
+        specs = {name: {"cls": Worker, "options": {k: v for k, v in spec["options"].items()
+                                                   if k not in ("env", "worker_class")}}
+                 for name, spec in specs.items()}
+    return scheduler, specs
 
 
 def _spec_cluster_class() -> type:
@@ -39,12 +53,14 @@ def _spec_cluster_class() -> type:
         """A SpecCluster whose workers are one node of a site (see the module docstring)."""
 
         def __init__(self, site: str | Site | None = None, security: Any = None,
-                     env: dict[str, str] | None = None, **kwargs: Any) -> None:
+                     env: dict[str, str] | None = None, processes: bool = True,
+                     dashboard_address: str | None = ":0", **kwargs: Any) -> None:
             if not isinstance(site, Site):
                 site = load_site(site or os.environ.get("HPC_GARAGE_SITE") or "local")
             self.site_layout, self.notes = local_layout(site)  # SpecCluster already has a `plan`
             scheduler, workers = cluster_specs(self.site_layout.workers, security=security, env=env,
-                                               local_directory=local_directory(site.local_directory))
+                                               local_directory=local_directory(site.local_directory),
+                                               processes=processes, dashboard_address=dashboard_address)
             super().__init__(workers=workers, scheduler=scheduler, security=security,
                              name=f"hpc-garage-{site.name}", **kwargs)
 
