@@ -1,4 +1,4 @@
-"""Private files and run directories: the I/O every layer above the core shares, written once.
+"""Private files, run directories, and their writers' pids: the I/O every layer above the core shares.
 
 A file that holds an address, a key or a token is written readable by its owner only, and atomically, so
 no reader ever sees half of it. A job's run directory is `<run root>/<job id>/`.
@@ -27,3 +27,14 @@ def run_root(run_directory: str | Path) -> Path:
 def run_dir(run_directory: str | Path, job_id: str) -> Path:
     """One job's run directory under its site's run root."""
     return run_root(run_directory) / job_id
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` of this host still runs: the writer named in a state or scheduler file."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's: alive
+        return True
+    return True

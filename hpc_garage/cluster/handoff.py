@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpc_garage.core.errors import UserError
-from hpc_garage.files import run_dir, write_private
+from hpc_garage.files import pid_alive, run_dir, write_private
 from hpc_garage.variables import seconds
 
 if TYPE_CHECKING:
@@ -191,7 +191,7 @@ class Handoff:
 def _refuse_stale(path: Path, ours: dict[str, Any]) -> None:
     """A scheduler file left by a run that is gone (killed, or its node lost) is said to be stale at once,
     rather than after a connect timeout: its writer's process is gone, or its TLS files are."""
-    if ours.get("host") == socket.gethostname() and isinstance(ours.get("pid"), int) and not _alive(ours["pid"]):
+    if ours.get("host") == socket.gethostname() and isinstance(ours.get("pid"), int) and not pid_alive(ours["pid"]):
         raise UserError(f"scheduler file {path} is stale: the `hpc-garage run` that wrote it (pid {ours['pid']}) "
                         "has ended; rerun the job, or delete the file")
     tls = ours.get("tls")
@@ -201,16 +201,6 @@ def _refuse_stale(path: Path, ours: dict[str, Any]) -> None:
     if missing:
         raise UserError(f"scheduler file {path} is stale: its run's TLS credentials are gone ({missing[0]}); the "
                         "run that wrote it has ended: rerun the job")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def handoff_from_env(env: Mapping[str, str] | None = None, timeout: float | None = None) -> Handoff | None:

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_garage.core.errors import UserError
-from hpc_garage.files import write_private
+from hpc_garage.files import pid_alive, write_private
 
 LOOPBACK = "127.0.0.1"
 QUIET = {"DO_NOT_TRACK": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
@@ -212,13 +212,7 @@ def _answers(state: ServerState, patience: float = 0.0) -> bool:
 def _pid_alive(pid: int) -> bool:
     if (child := _children.get(pid)) is not None:
         return child.poll() is None  # our own child: poll() also reaps it, a zombie is not alive
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return pid_alive(pid)
 
 
 def _is_our_server(state: ServerState) -> bool:
