@@ -217,6 +217,25 @@ def test_the_report_names_the_rank_the_launcher_saw_end_first_and_the_ranks_that
     assert "rank 5 (node 1, worker " in launcher.report(None) and "failed: LayoutError" in launcher.report(None)
 
 
+def test_the_launchers_stderr_is_passed_on_whatever_its_line_length_and_its_error_lines_kept(
+        capfd: pytest.CaptureFixture[str]) -> None:
+    import asyncio
+
+    async def relay() -> DaskMpiLauncher:
+        launcher = DaskMpiLauncher(two_nodes(), {})
+        code = ("import sys; sys.stderr.write('x' * 300000 + '\\n'); "
+                "sys.stderr.write('srun: error: node1: task 3: Exited with exit code 1\\nworker log\\n')")
+        launcher.proc = await asyncio.create_subprocess_exec(PY, "-c", code, stderr=asyncio.subprocess.PIPE)
+        await launcher._relay_stderr()
+        await launcher.proc.wait()
+        return launcher
+
+    launcher = asyncio.run(relay())
+    assert list(launcher.said) == ["srun: error: node1: task 3: Exited with exit code 1"]
+    err = capfd.readouterr().err
+    assert err.count("x") >= 300000 and err.endswith("worker log\n")
+
+
 # -------------------------------------------------------------------------------------------- end to end
 
 Slurm = pytest.mark.slurm
@@ -258,9 +277,16 @@ def sweep_on_two_nodes(site: str, tmp_path: Path) -> str:
                  "--duration", "0.3", "--out", str(out)], tmp_path)
     log = log_of(done.stdout)
     assert done.returncode == 0, done.stdout + done.stderr + log
-    by_gpu = one_gpu_each_no_overlap(json.loads(out.read_text()))
-    nodes = {node for node, _ in by_gpu}
-    assert len(nodes) == 2 and sorted(by_gpu) == sorted((n, g) for n in nodes for g in "0123"), sorted(by_gpu)
+    summary = json.loads(out.read_text())
+    by_gpu = one_gpu_each_no_overlap(summary)
+    assert len({node for node, _ in by_gpu}) == 2 and {g for _, g in by_gpu} <= set("0123"), sorted(by_gpu)
+    seen: dict[str, set[str]] = defaultdict(set)  # worker -> the GPUs its experiments saw
+    for r in summary["records"]:
+        seen[r["worker"]].add(r["cuda_visible_devices"])
+    assert all(len(devices) == 1 for devices in seen.values()), seen  # a worker keeps its one GPU
+    pinned = [(w.rsplit("-gpu", 1)[0], next(iter(d))) for w, d in seen.items()]
+    assert len(pinned) == len(set(pinned)), seen  # no two workers of a node share a GPU
+    assert "8 workers registered" in log
     return log
 
 

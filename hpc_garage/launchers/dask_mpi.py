@@ -269,14 +269,23 @@ class DaskMpiLauncher(Launcher):
         self._relay = asyncio.ensure_future(self._relay_stderr())
 
     async def _relay_stderr(self) -> None:
-        """The ranks' and the launcher's stderr, passed on line by line; the launcher's error lines kept."""
+        """The ranks' and the launcher's stderr, passed on as it comes (any line length: a stalled reader
+        would stall the ranks); the launcher's error lines kept."""
         assert self.proc is not None and self.proc.stderr is not None
-        while line := await self.proc.stderr.readline():
-            text = line.decode(errors="replace")
-            sys.stderr.write(text)
+        out = getattr(sys.stderr, "buffer", None)
+        pending = b""
+        while chunk := await self.proc.stderr.read(65536):
+            if out is not None:
+                out.write(chunk)
+            else:
+                sys.stderr.write(chunk.decode(errors="replace"))
             sys.stderr.flush()
-            if LAUNCHER_ERROR.search(text.strip()):
-                self.said.append(text.strip())
+            *lines, pending = (pending + chunk).split(b"\n")
+            pending = pending[-4096:]
+            for line in lines:
+                text = line[:4096].decode(errors="replace").strip()
+                if LAUNCHER_ERROR.search(text):
+                    self.said.append(text)
 
     async def start(self, address: str, tls: dict[str, str] | None, worker_env: dict[str, str],
                     rundir: Any) -> None:
