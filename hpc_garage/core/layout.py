@@ -211,7 +211,8 @@ def bind_node(workers: list[WorkerSpec], node: int, gpu_ids: dict[str, tuple[str
 
 def describe(layout_: Layout) -> list[str]:
     """The resource math as a person reads it: one line per run of nodes laid out alike."""
-    lines = [f"site {layout_.site.name} ({layout_.site.scheduler}, {layout_.site.launcher} launcher)",
+    launch = ", dask-mpi ranks" if layout_.site.launcher == "mpi" and layout_.site.mpi.launch == "dask-mpi" else ""
+    lines = [f"site {layout_.site.name} ({layout_.site.scheduler}, {layout_.site.launcher} launcher{launch})",
              layout_.allocation.describe()]
     by_node: dict[int, list[WorkerSpec]] = {}
     for w in layout_.workers:

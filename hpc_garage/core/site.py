@@ -205,6 +205,11 @@ class Site(_Strict):
         if "jobqueue" in self.model_fields_set and self.launcher != "jobqueue":
             raise ValueError(f"a jobqueue: section is read only with launcher: jobqueue, and launcher is "
                              f"{self.launcher!r}; drop the section or set launcher: jobqueue")
+        if "via" in self.mpi.model_fields_set and self.mpi.launch != "dask-mpi":
+            raise ValueError(f"mpi.via is read only with mpi.launch: dask-mpi, and launch is {self.mpi.launch!r}; "
+                             "drop via or set launch: dask-mpi")
+        if self.scheduler != "slurm" and self.mpi.via == "srun":
+            raise ValueError(f"mpi.via: srun needs SLURM, and scheduler is {self.scheduler!r}; use via: mpiexec or auto")
         if self.scheduler != "slurm" and self.mpi.launch == "srun":
             raise ValueError(f"mpi.launch: srun needs SLURM, and scheduler is {self.scheduler!r}; "
                              "use mpi.launch: mpiexec or auto")
