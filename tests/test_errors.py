@@ -144,15 +144,17 @@ def test_bad_variables_are_named_in_one_line(env: dict[str, str], args: list[str
     assert _files(home) == []
 
 
-# ---- scheduler files handed to a flow: foreign, stale, corrupt, a directory (task_runner() reads them)
+# ---- scheduler files handed to a flow: foreign, stale, corrupt, a directory: task_runner() refuses them
 
 READ_HANDOFF = """
 import os
 import sys
+import hpc_garage
 from hpc_garage.core.errors import UserError
-from hpc_garage.cluster.handoff import handoff_from_env
+if "HPC_GARAGE_START_TIMEOUT" not in os.environ:
+    os.environ["HPC_GARAGE_START_TIMEOUT"] = "1"  # a missing file: fail fast
 try:
-    handoff_from_env(timeout=None if "HPC_GARAGE_START_TIMEOUT" in os.environ else 1)
+    hpc_garage.task_runner()  # what a flow does first: it reads the scheduler file before anything starts
 except UserError as exc:
     print(exc, file=sys.stderr)
     sys.exit(2)
@@ -168,7 +170,7 @@ def _scheduler_file(path: Path, job_id: str = "123", **extra: object) -> Path:
 
 
 @pytest.mark.parametrize("case", ["foreign job", "stale writer", "credentials gone", "corrupt", "not an object",
-                                  "a directory", "missing", "bad timeout variable"])
+                                  "a directory", "bad timeout variable"])
 def test_bad_scheduler_files_are_one_line(case: str, tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HPC_GARAGE_", "SLURM_", "PBS_"))}
     env["HOME"] = str(tmp_path)
@@ -199,6 +201,7 @@ def test_bad_scheduler_files_are_one_line(case: str, tmp_path: Path) -> None:
     assert done.returncode == 2, (done.stdout, done.stderr)
     lines = done.stderr.splitlines()
     assert len(lines) == 1 and expect in lines[0], done.stderr
+    assert not (tmp_path / ".hpc-garage").exists()  # no Prefect server was started for a flow that cannot run
 
 
 def test_a_good_scheduler_file_of_this_job_is_accepted(tmp_path: Path) -> None:
