@@ -178,7 +178,7 @@ def test_bad_scheduler_files_are_one_line(case: str, tmp_path: Path) -> None:
     expect = {"foreign job": "belongs to job 123, not this job 456", "stale writer": "is stale",
               "credentials gone": "credentials are gone", "corrupt": "not valid JSON",
               "not an object": "not an hpc-garage scheduler file", "a directory": "is a directory",
-              "missing": "does not exist", "bad timeout variable": "HPC_GARAGE_START_TIMEOUT"}[case]
+              "bad timeout variable": "HPC_GARAGE_START_TIMEOUT"}[case]
     if case == "foreign job":
         _scheduler_file(path)
         env |= {"SLURM_JOB_ID": "456"}  # a batch job of its own: another job's file is not its cluster
