@@ -364,7 +364,7 @@ def sbatch(argv: tuple[str, ...]) -> None:
     Understood: -N/--nodes, -p/--partition, --gres=gpu[:TYPE]:N, -G/--gpus (total, split over nodes),
     --gpus-per-node, -t/--time, --mem (per node), -c/--cpus-per-task (cores per Dask worker),
     -A/--account, -J/--job-name, -o/--output, -e/--error, -q/--qos, -W/--wait, plus --site NAME and
-    --dry-run. The site is --site, or the one SLURM site whose queue is the partition. Other sbatch
+    --dry-run. The site is --site, or the one SLURM site (default launch) whose queue is the partition. Other sbatch
     options (-C/--constraint, --exclusive, --mail-type, ...) are written into the job script as #SBATCH
     lines; options that contradict the site's worker layout (-n, --ntasks-per-node, --mem-per-cpu,
     --array, ...) are refused with the reason.

@@ -177,7 +177,9 @@ def test_cancel_takes_the_job_out_of_the_queue(lab: dict[str, Path]) -> None:
 @pytest.mark.parametrize(
     ("args", "fragment"),
     [
-        (["sbatch", "--site", "tsub", "-p", "nosuch", "job.py"], "invalid partition specified: nosuch"),
+        # sbatch's own refusal (was -p nosuch with --site, which is now refused before sbatch: issue 14)
+        (["sbatch", "--site", "tsub", "-C", "nosuch", "job.py"], "Invalid feature specification"),
+        (["sbatch", "--site", "tsub", "-p", "nosuch", "job.py"], "-p nosuch: site tsub describes partition cpu's"),
         (["sbatch", "-p", "nosuch", "job.py"], "-p nosuch: no SLURM site uses this partition"),
         (["submit", "--site", "tsub", "--nodes", "3", "job.py"], "--nodes 3: site tsub allows at most 2 nodes"),
         (["sbatch", "--site", "tsub", "-t", "1:00:00", "job.py"], "site tsub allows at most 00:10:00"),

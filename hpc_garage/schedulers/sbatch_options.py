@@ -300,7 +300,9 @@ def site_for(call: SbatchCall) -> str:
             site = load_site(path)
         except UserError:
             continue
-        if site.scheduler == "slurm" and site.queue and site.launcher == "mpi":  # sbatch options shape one allocation
+        # sbatch options shape one allocation of the default launch; a dask-mpi or jobqueue site of the same
+        # partition is an alternative picked only by --site
+        if site.scheduler == "slurm" and site.queue and site.launcher == "mpi" and site.mpi.launch != "dask-mpi":
             by_queue.setdefault(site.queue, []).append(name)
     matches = by_queue.get(partition, [])
     if len(matches) > 1:  # several sites name this partition: keep those shaped like its real nodes
