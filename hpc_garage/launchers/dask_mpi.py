@@ -46,7 +46,6 @@ from pathlib import Path
 from typing import Any
 
 from hpc_garage.core.errors import UserError
-from hpc_garage.core.gpus import vendor_of
 from hpc_garage.core.layout import Layout, WorkerSpec
 from hpc_garage.launchers.common import (Launcher, end_process, forkserver_env, local_directory, node_gpus, run_entry,
                                         start_worker_forkserver, worker_options, worker_preload)
@@ -189,9 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         node, local = rank_place(os.environ, data["hosts"], per_node)
         key, here = f"{node}-{local}", {**here, "node": node, "local_rank": local}
-        vendor = data.get("gpu_vendor") or tuple(data["gpu_env_vars"])
+        vendor = data["gpu_vendor"]
         records.write("started", key, {**here, "time": time.time()})
-        mine = rank_worker(workers, node, local, node_gpus(os.environ, vendor_of(vendor)), vendor, data["env"])
+        mine = rank_worker(workers, node, local, node_gpus(os.environ, vendor), vendor, data["env"])
         if mine is None:
             from mpi4py import MPI
 

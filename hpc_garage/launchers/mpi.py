@@ -86,7 +86,6 @@ def write_rank_file(path: Path, layout_: Layout, *, scheduler_file: Path, tls: d
         "preload": preload,
         "interface": layout_.site.interface,
         "local_directory": layout_.site.local_directory,  # expanded on each node: $TMPDIR differs there
-        "gpu_env_vars": list(layout_.site.gpu_env_vars),  # read by older node processes
         "gpu_vendor": layout_.site.node.gpu_vendor,
         "bind_cpus": layout_.site.workers.bind_cpus,
         "hosts": [n.host for n in layout_.allocation.nodes],
@@ -150,8 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     data: dict[str, Any] = json.loads(Path(argv[0]).read_text())
     workers = [WorkerSpec.from_dict(w) for w in data["workers"]]
     node = node_index(node_name(os.environ), data["hosts"], launcher_rank(os.environ))
-    vendor = data.get("gpu_vendor") or tuple(data["gpu_env_vars"])
-    mine = node_workers(workers, node, node_gpus(os.environ, vendor_of(vendor)), vendor, data["env"],
+    vendor = data["gpu_vendor"]  # written by the same version: run and its node processes are one install
+    mine = node_workers(workers, node, node_gpus(os.environ, vendor), vendor, data["env"],
                         bind=bool(data.get("bind_cpus")))
     if not mine:
         return 0

@@ -54,10 +54,11 @@ from prefect.context import SettingsContext, SyncClientContext, serialize_contex
 
 from hpc_garage.compat import (context_var, deployment_context, has_context_vars, has_deployment_context,
                                stretch_no_tag_limits_cache)
+from hpc_garage.variables import PREFECT_FAST, switch
 
 __all__ = ["SettingsPayload", "Submitter", "TaskCall", "await_recorded", "problem", "run_task", "worker_stats"]
 
-DISABLE_ENV = "HPC_GARAGE_PREFECT_FAST"
+DISABLE_ENV = PREFECT_FAST
 TESTED_PREFECT = "3.8.8"
 PREFECT_RANGE = ((3, 4), (3, 10))  # [low, high): Prefect 3 releases whose internals these hooks match
 TAG_LIMITS_TTL = 60.0  # s a worker trusts "these tags have no concurrency limits" (Prefect's own: 5 s)
@@ -68,7 +69,7 @@ CONTEXT_KEYS = frozenset({"flow_run_context", "task_run_context", "tags_context"
 
 def problem() -> str | None:
     """Why the fast path cannot be used with this Prefect, or None. Cheap; checked once per runner."""
-    if os.environ.get(DISABLE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+    if not switch(os.environ, DISABLE_ENV, True):  # a value that is neither on nor off is refused in one line
         return f"{DISABLE_ENV}={os.environ[DISABLE_ENV]}"
     try:
         version = tuple(int(x) for x in prefect.__version__.split(".")[:2])
