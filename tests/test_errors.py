@@ -211,3 +211,33 @@ def test_a_good_scheduler_file_of_this_job_is_accepted(tmp_path: Path) -> None:
     env |= {"HOME": str(tmp_path), "HPC_GARAGE_SCHEDULER_FILE": str(path), "SLURM_JOB_ID": "456"}
     done = subprocess.run([sys.executable, "-c", READ_HANDOFF], env=env, capture_output=True, text=True, timeout=60)
     assert done.stdout.strip() == "accepted", done.stderr
+
+
+def test_run_clears_what_an_earlier_job_left_in_its_run_directory(tmp_path: Path) -> None:
+    """A recycled job id: a corrupt scheduler file, one that is a directory, old credentials are cleared, so
+    the new run's COMMAND never reads them."""
+    from hpc_garage.cluster.handoff import RunDir
+
+    rundir = RunDir.for_job(tmp_path, "42")
+    rundir.path.mkdir()
+    (rundir.path / "scheduler.json").mkdir()
+    (rundir.path / "dask-scheduler.json").write_text('{"address": ')
+    (rundir.path / "tls").mkdir()
+    (rundir.path / "tls" / "key.pem").write_text("old")
+    (rundir.path / "submit.json").write_text("{}")  # the job's own record stays
+    rundir.create()
+    assert sorted(p.name for p in rundir.path.iterdir()) == ["submit.json"]
+
+
+@pytest.mark.slow
+def test_run_hands_command_its_own_scheduler_file_not_one_from_the_environment(tmp_path: Path) -> None:
+    foreign = _scheduler_file(tmp_path / "foreign.json", job_id="123")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HPC_GARAGE_", "SLURM_", "PBS_"))}
+    env |= {"HOME": str(tmp_path), "HPC_GARAGE_SCHEDULER_FILE": str(foreign)}
+    show = "import os; from hpc_garage.cluster.handoff import handoff_from_env; h = handoff_from_env(); " \
+           "print(os.environ['HPC_GARAGE_SCHEDULER_FILE'], h.job_id)"
+    done = subprocess.run([sys.executable, "-m", "hpc_garage", "run", "--", sys.executable, "-c", show],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    path, job_id = done.stdout.split()[-2:]
+    assert path != str(foreign) and path.endswith("scheduler.json") and job_id.startswith("local-")
