@@ -11,7 +11,7 @@ from hpc_garage.core.allocation import Allocation
 from hpc_garage.core.request import Request
 from hpc_garage.core.errors import UserError
 from hpc_garage.launchers.common import forkserver_env, listening_host, scheduler_preload, worker_preload
-from hpc_garage.launchers.mpi import launcher_rank, node_index, node_workers, rank_command
+from hpc_garage.launchers.mpi import launcher_rank, node_index, node_workers, rank_command, rank_commands
 from hpc_garage.core.layout import LayoutError, layout
 from hpc_garage.sites import load_site
 
@@ -30,17 +30,35 @@ def test_srun_starts_one_process_per_node_with_every_core_its_workers_use() -> N
     launch = rank_command(p, ARGV, in_slurm=True, nodefile=None)
     per_node = sum(w.resources["CPU"] for w in p.workers if w.node == 0)
     assert launch.argv[:6] == ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1",
-                               f"--cpus-per-task={int(per_node)}", "--kill-on-bad-exit=1"]
-    assert launch.argv[-4:] == ARGV
+                               f"--cpus-per-task={int(per_node)}", "--kill-on-bad-exit=0"]
+    assert launch.argv[-4:] == ARGV and launch.nodes == (0, 1)
     assert len([w for w in p.workers if w.node == 0]) == 4  # four workers behind that one process
+
+
+def test_srun_gives_each_known_node_a_step_of_its_own_that_dies_alone() -> None:
+    from dataclasses import replace
+
+    p = two_node_plan("lab-gpu")
+    hosts = tuple(replace(n, host=f"node{i + 1}") for i, n in enumerate(p.allocation.nodes))
+    p = replace(p, allocation=replace(p.allocation, nodes=hosts), site=p.site.model_copy(
+        update={"mpi": p.site.mpi.model_copy(update={"srun_args": ["--kill-on-bad-exit=1", "--exact"]})}))
+    launches = rank_commands(p, ARGV, in_slurm=True, nodefile=None)
+    assert [launch.nodes for launch in launches] == [(0,), (1,)]
+    second = launches[1].argv
+    assert second[:5] == ["srun", "--nodes=1", "--ntasks=1", "--nodelist=node2", "--cpus-per-task=8"]
+    assert second[-5:] == [*ARGV, "1"]  # the node process is told its node
+    assert second.index("--kill-on-bad-exit=0") > second.index("--kill-on-bad-exit=1")  # the site cannot undo it
+    # hosts unknown: one launch for all nodes, as before
+    assert len(rank_commands(two_node_plan("lab-gpu"), ARGV, in_slurm=True, nodefile=None)) == 1
 
 
 def test_mpiexec_spellings_one_rank_per_node() -> None:
     openmpi = rank_command(two_node_plan("pbs-gpu", "openmpi"), ARGV, in_slurm=False, nodefile="/var/spool/nodes")
     assert openmpi.argv[:6] == ["mpiexec", "-n", "2", "--map-by", "ppr:1:node", "--bind-to"]
     assert openmpi.argv[openmpi.argv.index("--hostfile") + 1] == "/var/spool/nodes"
+    assert "--enable-recovery" in openmpi.argv  # a rank that dies does not abort the others
     mpich = rank_command(two_node_plan("pbs-gpu", "mpich"), ARGV, in_slurm=False, nodefile="/var/spool/nodes")
-    assert mpich.argv[:7] == ["mpiexec", "-n", "2", "-ppn", "1", "-f", "/var/spool/nodes"]
+    assert mpich.argv[:8] == ["mpiexec", "-n", "2", "-ppn", "1", "-disable-auto-cleanup", "-f", "/var/spool/nodes"]
     assert mpich.argv[-4:] == ARGV
 
 

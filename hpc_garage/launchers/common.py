@@ -147,6 +147,8 @@ class Launcher:
 
     scheduler_host: dict[str, Any] = {"host": "127.0.0.1"}  # Scheduler(...) keywords: where it listens
     command_env: dict[str, str] = {}  # exported to COMMAND besides the scheduler file
+    nodes_watched = False  # hosts a fixed allocation's nodes, whose loss `run` watches for (cluster/node_loss.py)
+    per_node = False  # each node has a process of its own: `lost_nodes()` tells each loss as it happens
 
     async def prepare(self, tls: dict[str, str] | None, worker_env: dict[str, str], rundir: Any,
                       timeout: float) -> None:
@@ -160,6 +162,15 @@ class Launcher:
     def failure(self) -> str | None:
         """Why the workers cannot come up any more (their launcher exited), or None."""
         return None
+
+    def lost_nodes(self) -> list[tuple[int, str]]:
+        """(node index, why) for each node whose process ended since the last call (each told once), where
+        this launcher can tell; cluster/node_loss.py watches it for the whole run."""
+        return []
+
+    async def restart_node(self, node: int) -> bool:
+        """Start a lost node's process again, with the same workers and GPU pins; False where it cannot."""
+        return False
 
     def draining(self) -> None:
         """Teardown begins: the workers are about to leave on purpose, so nothing may replace them."""

@@ -2,7 +2,7 @@
 node's workers.
 
 `hpc-garage run` (on the job's first node) runs the scheduler itself, so no GPU is spent on it. It starts
-the node processes first (`rank_command()`), while its own scheduler is still starting: each finds its node,
+the node processes first (`rank_commands()`), while its own scheduler is still starting: each finds its node,
 starts a forkserver that imports distributed (and Prefect's task path) once, waits for the scheduler's
 address in the run directory, then starts one Nanny per WorkerSpec of its node, each worker with its own
 GPUs (as its own node shows them), threads, memory limit and resources, forked from that server.
@@ -11,6 +11,12 @@ Why not dask-mpi's one rank per worker (which the first version used): every ran
 that initialises MPI and imports distributed, and its Nanny spawns another; on a node with 4 workers that
 is 8 imports before the first task, measured here as 5.0 s from job start to 4 registered workers. MPI
 itself is not needed: a node process knows its node by name (or by its launcher's rank variable).
+
+A node process that dies takes only its own workers (issue 11). Under srun each node has its own job step
+(`srun --nodes=1 --nodelist=HOST --kill-on-bad-exit=0`), so `run` knows which node it lost, when, and can
+start that node's process again in a new step, with the same GPU pins (cluster/node_loss.py decides).
+mpiexec starts all nodes at once, told not to end the others when one rank dies (OpenMPI
+`--enable-recovery`, Hydra `-disable-auto-cleanup`); there a lost node shows as all its workers leaving.
 """
 
 from __future__ import annotations
@@ -40,33 +46,61 @@ RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "PALS_RANKID"
 
 @dataclass(frozen=True)
 class RankLaunch:
-    """How many node processes, on how many nodes, and the command that starts them."""
+    """The command that starts the node processes of `nodes` (all of them, or one srun step's node)."""
 
     argv: list[str]
     env: dict[str, str]
+    nodes: tuple[int, ...] = ()
+
+
+def uses_srun(layout_: Layout, *, in_slurm: bool) -> bool:
+    mpi = layout_.site.mpi
+    return (mpi.launch if mpi.launch != "auto" else ("srun" if in_slurm else "mpiexec")) == "srun"
+
+
+def rank_commands(layout_: Layout, rank_argv: list[str], *, in_slurm: bool, nodefile: str | None) -> list[RankLaunch]:
+    """How the node processes start: under srun one job step per node (so losing one is seen, named and
+    restartable: `node_command`), where every node's host is known; else one launch for all nodes."""
+    hosts = [n.host for n in layout_.allocation.nodes]
+    if uses_srun(layout_, in_slurm=in_slurm) and all(hosts) and len(set(hosts)) == len(hosts):
+        return [node_command(layout_, rank_argv, i) for i in range(len(hosts))]
+    return [rank_command(layout_, rank_argv, in_slurm=in_slurm, nodefile=nodefile)]
+
+
+def _node_cores(layout_: Layout, node: int) -> int:
+    return max(1, int(sum(w.resources.get("CPU", w.nthreads) for w in layout_.workers if w.node == node)))
+
+
+def node_command(layout_: Layout, rank_argv: list[str], node: int) -> RankLaunch:
+    """One srun step running `node`'s process on that node alone; the process is told its node index.
+    `--kill-on-bad-exit=0`: a step whose process dies ends alone (the site's srun_args may not undo that)."""
+    host = str(layout_.allocation.nodes[node].host)
+    argv = ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={host}", f"--cpus-per-task={_node_cores(layout_, node)}",
+            *layout_.site.mpi.srun_args, "--kill-on-bad-exit=0", *rank_argv, str(node)]
+    return RankLaunch(argv, {}, (node,))
 
 
 def rank_command(layout_: Layout, rank_argv: list[str], *, in_slurm: bool, nodefile: str | None) -> RankLaunch:
-    """The launch command for one process per node: pure, so each launcher's spelling is easy to test."""
+    """The launch command for one process per node, all nodes at once: pure, so each launcher's spelling is
+    easy to test. The launcher is told not to end the other ranks when one dies."""
     mpi = layout_.site.mpi
     nodes = len(layout_.allocation.nodes)
-    launch = mpi.launch if mpi.launch != "auto" else ("srun" if in_slurm else "mpiexec")
+    every = tuple(range(nodes))
     env: dict[str, str] = {}
-    if launch == "srun":
-        per_node = [sum(w.resources.get("CPU", w.nthreads) for w in layout_.workers if w.node == i) for i in range(nodes)]
-        cores = max(1, int(min(per_node)))
+    if uses_srun(layout_, in_slurm=in_slurm):
+        cores = min(_node_cores(layout_, i) for i in range(nodes))
         argv = ["srun", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1",
-                f"--cpus-per-task={cores}", "--kill-on-bad-exit=1", *mpi.srun_args, *rank_argv]
-        return RankLaunch(argv, env)
-    if mpi.flavor == "openmpi":
-        argv = [mpi.mpiexec, "-n", str(nodes), "--map-by", "ppr:1:node", "--bind-to", "none"]
+                f"--cpus-per-task={cores}", *mpi.srun_args, "--kill-on-bad-exit=0", *rank_argv]
+        return RankLaunch(argv, env, every)
+    if mpi.flavor == "openmpi":  # --enable-recovery: a rank that dies does not abort the others (4.x and 5.x)
+        argv = [mpi.mpiexec, "-n", str(nodes), "--map-by", "ppr:1:node", "--bind-to", "none", "--enable-recovery"]
         argv += ["--hostfile", nodefile] if nodefile else []
         if os.geteuid() == 0:  # OpenMPI refuses root without both of these
             env |= {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-    else:  # MPICH / Hydra, Cray PALS, Intel MPI
-        argv = [mpi.mpiexec, "-n", str(nodes), "-ppn", "1"]
+    else:  # MPICH / Hydra, Cray PALS, Intel MPI: -disable-auto-cleanup keeps the others when one rank dies
+        argv = [mpi.mpiexec, "-n", str(nodes), "-ppn", "1", "-disable-auto-cleanup"]
         argv += ["-f", nodefile] if nodefile else []
-    return RankLaunch([*argv, *mpi.mpiexec_args, *rank_argv], env)
+    return RankLaunch([*argv, *mpi.mpiexec_args, *rank_argv], env, every)
 
 
 def write_rank_file(path: Path, layout_: Layout, *, scheduler_file: Path, tls: dict[str, str] | None,
@@ -144,11 +178,15 @@ def node_workers(workers: list[WorkerSpec], node: int, gpus: list[str], gpu_vend
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of one node process: `python -m hpc_garage.launchers.mpi RANKS.json`."""
+    """Entry point of one node process: `python -m hpc_garage.launchers.mpi RANKS.json [NODE]` (NODE: its
+    index, given where each node has its own launch)."""
     argv = sys.argv[1:] if argv is None else argv
     data: dict[str, Any] = json.loads(Path(argv[0]).read_text())
     workers = [WorkerSpec.from_dict(w) for w in data["workers"]]
-    node = node_index(node_name(os.environ), data["hosts"], launcher_rank(os.environ))
+    if len(argv) > 1:
+        node = int(argv[1])
+    else:
+        node = node_index(node_name(os.environ), data["hosts"], launcher_rank(os.environ))
     vendor = data["gpu_vendor"]  # written by the same version: run and its node processes are one install
     mine = node_workers(workers, node, node_gpus(os.environ, vendor), vendor, data["env"],
                         bind=bool(data.get("bind_cpus")))
@@ -189,15 +227,26 @@ async def _scheduler_address(path: Path, timeout: float) -> str:
 
 
 class MpiLauncher(Launcher):
-    """The driver side, inside `hpc-garage run` on the job's first node: writes the rank file, starts the node processes."""
+    """The driver side, inside `hpc-garage run` on the job's first node: writes the rank file, starts the node
+    processes, and says which of them ended (`lost_nodes`) and starts a lost node's process again."""
+
+    nodes_watched = True
 
     def __init__(self, layout_: Layout, env: Mapping[str, str]) -> None:
         self.layout = layout_
         self.env = dict(env)
-        self.proc: asyncio.subprocess.Process | None = None
-        self.launch: RankLaunch | None = None
+        self.launches: list[RankLaunch] = []
+        self.procs: list[asyncio.subprocess.Process] = []  # the running one of each launch, in launches' order
+        self.reported: set[int] = set()  # ids of processes whose exit lost_nodes() has told
+        self.rank_argv: list[str] = []
+        self.stopping = False
         iface = layout_.site.interface
         self.scheduler_host = {"interface": iface} if iface else {"host": None}
+
+    @property  # type: ignore[override]
+    def per_node(self) -> bool:
+        """Each node has a process of its own, so its loss is seen when that process exits."""
+        return bool(self.launches) and all(len(launch.nodes) == 1 for launch in self.launches)
 
     async def prepare(self, tls: dict[str, str] | None, worker_env: dict[str, str], rundir: Any,
                       timeout: float) -> None:
@@ -208,28 +257,59 @@ class MpiLauncher(Launcher):
         nodefile = get(self.layout.allocation.source).nodefile(self.env) if self.layout.allocation.source == "pbs" \
             else None
         python = self.layout.site.python or sys.executable
-        self.launch = rank_command(self.layout, [python, "-m", "hpc_garage.launchers.mpi", str(ranks_file)],
-                                   in_slurm=self.layout.allocation.source == "slurm", nodefile=nodefile)
-        print(f"hpc-garage: starting ranks: {shlex.join(self.launch.argv)}", file=sys.stderr, flush=True)
-        env = {**self.env, **self.layout.site.env, **self.launch.env}
+        self.rank_argv = [python, "-m", "hpc_garage.launchers.mpi", str(ranks_file)]
+        self.launches = rank_commands(self.layout, self.rank_argv, in_slurm=self.layout.allocation.source == "slurm",
+                                      nodefile=nodefile)
+        for launch in self.launches:
+            self.procs.append(await self._start(launch))
+
+    async def _start(self, launch: RankLaunch) -> asyncio.subprocess.Process:
+        print(f"hpc-garage: starting ranks: {shlex.join(launch.argv)}", file=sys.stderr, flush=True)
+        env = {**self.env, **self.layout.site.env, **launch.env}
         try:
-            self.proc = await asyncio.create_subprocess_exec(*self.launch.argv, env=env, start_new_session=True)
+            return await asyncio.create_subprocess_exec(*launch.argv, env=env, start_new_session=True)
         except FileNotFoundError:
-            raise UserError(f"{self.launch.argv[0]}: not found; install MPI or set the site's mpi.launch") from None
+            raise UserError(f"{launch.argv[0]}: not found; install MPI or set the site's mpi.launch") from None
 
     async def start(self, address: str, tls: dict[str, str] | None, worker_env: dict[str, str],
                     rundir: Any) -> None:
         """Nothing left to do: the node processes read the address the scheduler wrote."""
 
     def failure(self) -> str | None:
-        if self.proc is not None and self.proc.returncode is not None and self.launch is not None:
-            return f"`{self.launch.argv[0]}` exited with code {self.proc.returncode}"
+        for launch, proc in zip(self.launches, self.procs):
+            if proc.returncode is not None:
+                return f"`{launch.argv[0]}` exited with code {proc.returncode}"
         return None
 
+    def lost_nodes(self) -> list[tuple[int, str]]:
+        """(node, why) for each node process that ended since the last call, while the run goes on."""
+        if self.stopping or not self.per_node:
+            return []
+        lost = []
+        for launch, proc in zip(self.launches, self.procs):
+            if proc.returncode is not None and id(proc) not in self.reported:
+                self.reported.add(id(proc))
+                code = proc.returncode
+                why = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+                lost.append((launch.nodes[0], f"its process (`{launch.argv[0]}` step) {why}"))
+        return lost
+
+    async def restart_node(self, node: int) -> bool:
+        """Start `node`'s process again in a new srun step on that node: the same workers, names and GPU pins."""
+        if self.stopping or not self.per_node:
+            return False
+        index = next(i for i, launch in enumerate(self.launches) if launch.nodes == (node,))
+        self.procs[index] = await self._start(self.launches[index])
+        return True
+
+    def draining(self) -> None:
+        self.stopping = True
+
     async def stop(self) -> None:
-        """Workers leave when the scheduler closes; a launcher still running after that is ended."""
-        if self.proc is not None:
-            await end_process(self.proc, ((None, 20.0), (signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)), group=True)
+        """Workers leave when the scheduler closes; launchers still running after that are ended."""
+        self.stopping = True
+        steps = ((None, 20.0), (signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0))
+        await asyncio.gather(*(end_process(proc, steps, group=True) for proc in self.procs))
 
 
 if __name__ == "__main__":
