@@ -16,6 +16,10 @@ START_TIMEOUT = "HPC_GARAGE_START_TIMEOUT"  # seconds `run` gives its workers; C
 WORKER_PRELOAD = "HPC_GARAGE_WORKER_PRELOAD"  # modules every worker imports before its first task
 PLACEMENT = "HPC_GARAGE_PLACEMENT"  # 0: Dask's own placement of resource tasks
 PREFECT_FAST = "HPC_GARAGE_PREFECT_FAST"  # 0: prefect-dask's own task submission
+SWEEP_ENV = "HPC_GARAGE_SWEEP"  # set by `run` for COMMAND and workers: the sweep and epoch (name@epoch) trials cache under
+RESULTS_ENV = "HPC_GARAGE_RESULTS"  # set by `run`: where that epoch's results are persisted
+PREFECT_SERVER_IDLE = "HPC_GARAGE_PREFECT_SERVER_IDLE"  # seconds with no use before the managed server stops
+PREFECT_DATABASE = "HPC_GARAGE_PREFECT_DATABASE"  # sqlite, postgresql (managed) or a postgresql+asyncpg:// URL
 
 _YES = ("1", "true", "yes", "on")
 _NO = ("0", "false", "no", "off")

@@ -9,8 +9,23 @@ for a random basic-auth string, because on a shared login node anyone can reach 
 State per (user, machine, bind address), in `~/.hpc-garage/prefect/<short hostname>/` (0700):
   server.json (0600) url, pid, auth, host, port    server.log   the server's output    home/  PREFECT_HOME
   lock               held while checking or starting, so concurrent callers share one server
+  leases/<pid>        one per process that was handed the server (its start time guards against pid reuse)
+  activity.json       the keeper's last look: when the server was last in use, its idle limit
 A bind address other than 127.0.0.1 gets its own subdirectory `bind-<host>/` (and its own server).
 Prefect itself is never imported here (≈2 s): the server is a subprocess, health checks use urllib.
+
+The server leaves when idle. The process we start is a keeper (`python -m hpc_garage.prefect.server keep`,
+this module): it starts `prefect server start` (and a PostgreSQL, see below) as its children and stops them
+and itself once the server has been unused for HPC_GARAGE_PREFECT_SERVER_IDLE seconds (default 1800). In
+use means: a process it was handed to still runs (a lease), or the API's flow-run and task-run counts per
+state moved since the last look, or the API did not answer (a busy server is a used one). It stops under
+the same lock `ensure_server` takes, after removing server.json, so an exiting server is never handed out.
+
+The database: SQLite in PREFECT_HOME by default. HPC_GARAGE_PREFECT_DATABASE=postgresql runs a PostgreSQL
+of the user's own (initdb into the state directory, a unix socket in a private directory, no TCP, a random
+password), started and stopped with the server; a postgresql+asyncpg:// URL uses that database instead.
+PostgreSQL refuses to run as root: as root (containers, CI) it runs as the `postgres` system user (Debian's
+package creates it; else `nobody`), in /var/tmp/hpc-garage-postgres-<hash>/ owned by that user.
 """
 
 from __future__ import annotations
@@ -22,13 +37,16 @@ import os
 import secrets
 import signal
 import socket
+import stat
 import subprocess
+import shutil
 import sys
+import tempfile
 import time
 import tomllib
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -36,6 +54,7 @@ from typing import Any
 
 from hpc_garage.core.errors import UserError
 from hpc_garage.files import pid_alive, write_private
+from hpc_garage.variables import PREFECT_DATABASE, PREFECT_SERVER_IDLE, seconds
 
 LOOPBACK = "127.0.0.1"
 QUIET = {"DO_NOT_TRACK": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
@@ -50,6 +69,8 @@ BATCHING = {
 } | {"PREFECT_SERVER_SERVICES_TRIGGERS_READ_BATCH_SIZE": "100"}
 START_TIMEOUT = 120.0  # a fresh database takes 11–17 s to migrate here; shared file systems are slower
 REUSE_PATIENCE = 10.0  # a busy server on a loaded login node is slow, not dead: never replace it hastily
+IDLE_DEFAULT = 1800.0  # s unused before the server stops (HPC_GARAGE_PREFECT_SERVER_IDLE)
+ACTIVE_STATES = ("PENDING", "RUNNING", "CANCELLING", "PAUSED", "SCHEDULED")
 
 _children: dict[int, subprocess.Popen[bytes]] = {}  # servers started by this process, to see early exits
 
@@ -62,6 +83,8 @@ class ServerState:
     host: str
     port: int
     started: float
+    database: str = "sqlite"  # what `server status` says: sqlite, postgresql (managed) or the URL's host
+    idle_timeout: float = IDLE_DEFAULT
 
     def client_env(self) -> dict[str, str]:
         return {"PREFECT_API_URL": self.url, "PREFECT_API_AUTH_STRING": self.auth, **QUIET}
@@ -96,15 +119,25 @@ def configured_api_url(env: Mapping[str, str]) -> str | None:
 
 
 def ensure_server(host: str = LOOPBACK, *, timeout: float = START_TIMEOUT) -> ServerState:
-    """Our server for this machine and bind address: the running one if it answers, else a new one."""
+    """Our server for this machine and bind address: the running one if it answers, else a new one.
+
+    The caller holds a lease on it until it exits: the server does not leave while its user runs.
+    """
+    database = database_choice(os.environ)  # a bad setting is refused before anything starts
+    idle = seconds(os.environ, PREFECT_SERVER_IDLE, IDLE_DEFAULT)
+    if database.kind == "postgresql":
+        postgres_bin()
     directory = state_dir(host)
     with _locked(directory / "lock"):
         state = _read_state(directory)
         if state is not None and _pid_alive(state.pid) and _answers(state, patience=REUSE_PATIENCE):
+            _lease(directory)
             return state
         if state is not None:
             _terminate(state)  # dead, hung, or answering to another auth string: replace it
-        return _start(directory, host, timeout)
+        state = _start(directory, host, timeout, idle, database)
+        _lease(directory)
+        return state
 
 
 def stop_server(host: str = LOOPBACK) -> bool:
@@ -117,15 +150,180 @@ def stop_server(host: str = LOOPBACK) -> bool:
 
 
 def server_status(host: str = LOOPBACK) -> dict[str, Any]:
-    """What `hpc-garage server status` shows; never the auth string."""
+    """What `hpc-garage server status` shows; never the auth string or a password."""
     directory = state_dir(host)
     state = _read_state(directory)
     alive = state is not None and _pid_alive(state.pid)
     status: dict[str, Any] = {"state_file": str(directory / "server.json"), "log": str(directory / "server.log"),
                               "running": alive, "healthy": bool(alive and state and _answers(state))}
     if state is not None:
-        status |= {"url": state.url, "pid": state.pid, "host": state.host, "started": state.started}
+        now = time.time()
+        activity = _read_json(directory / "activity.json")
+        last = float(activity.get("last_activity") or state.started) if activity.get("pid") == state.pid \
+            else state.started
+        status |= {"url": state.url, "pid": state.pid, "host": state.host, "started": state.started,
+                   "database": state.database, "uptime_s": round(now - state.started, 1)}
+        if alive:
+            status |= {"idle_s": round(max(0.0, now - last), 1), "idle_timeout_s": state.idle_timeout}
     return status
+
+
+# --------------------------------------------------------------------------------------------- database
+
+
+@dataclass(frozen=True)
+class Database:
+    kind: str  # "sqlite" (Prefect's default), "postgresql" (one we run), "url" (one the user gives)
+    url: str | None = None
+
+    def label(self) -> str:
+        if self.kind != "url" or not self.url:
+            return "postgresql (managed)" if self.kind == "postgresql" else self.kind
+        after = self.url.split("://", 1)[-1]
+        return f"{self.url.split('://', 1)[0]}://{after.rsplit('@', 1)[-1]}"  # no user or password
+
+
+def database_choice(env: Mapping[str, str]) -> Database:
+    """HPC_GARAGE_PREFECT_DATABASE, else the user's own PREFECT_SERVER_DATABASE_CONNECTION_URL, else SQLite."""
+    text = env.get(PREFECT_DATABASE, "").strip()
+    if not text:
+        given = env.get("PREFECT_SERVER_DATABASE_CONNECTION_URL", "").strip()
+        return Database("url", given) if given else Database("sqlite")
+    if text.lower() == "sqlite":
+        return Database("sqlite")
+    if text.lower() in ("postgresql", "postgres"):
+        return Database("postgresql")
+    if text.startswith("postgresql+asyncpg://"):
+        return Database("url", text)
+    raise UserError(f"{PREFECT_DATABASE}={text!r}: give sqlite, postgresql (a PostgreSQL that hpc-garage runs "
+                    "in your state directory) or a URL postgresql+asyncpg://USER:PASSWORD@HOST/DATABASE")
+
+
+def postgres_bin() -> Path:
+    """The directory of `initdb` and `postgres`: on PATH, else Debian's /usr/lib/postgresql/<newest>/bin."""
+    found = [Path(p).parent for p in (shutil.which("initdb"), shutil.which("postgres")) if p]
+    if len(found) == 2 and found[0] == found[1]:
+        return found[0]
+    debian = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"),
+                    key=lambda p: int(p.parent.parent.name) if p.parent.parent.name.isdigit() else 0)
+    if debian:
+        return debian[-1].parent
+    raise UserError(f"{PREFECT_DATABASE}=postgresql: no initdb and postgres on PATH or in "
+                    "/usr/lib/postgresql/*/bin; install PostgreSQL (apt install postgresql, or the site's "
+                    "module), or give a postgresql+asyncpg:// URL, or unset it for SQLite")
+
+
+class ManagedPostgres:
+    """A PostgreSQL of the user's own beside the server: created once, started and stopped with it."""
+
+    PORT = "5432"  # names the socket file only: no TCP
+
+    def __init__(self, directory: Path) -> None:
+        self.bin = postgres_bin()
+        self.secrets = directory / "postgres.json"  # 0600: the password; the server's URL is built from it
+        self.run_as: tuple[str, str] | None = None
+        if os.geteuid() == 0:  # "root execution of the PostgreSQL server is not permitted"
+            user = "postgres" if _user_exists("postgres") else "nobody"
+            import grp
+            import pwd
+
+            self.run_as = (user, grp.getgrgid(pwd.getpwnam(user).pw_gid).gr_name)
+            digest = hashlib_short(str(directory))
+            self.base = Path("/var/tmp") / f"hpc-garage-postgres-{digest}"
+        else:
+            self.base = directory / "postgres"
+        self.data = self.base / "data"
+        self.socket_dir = self.base / "run"
+        if len(str(self.socket_dir / f".s.PGSQL.{self.PORT}")) > 100:  # sun_path holds 107 bytes
+            self.socket_dir = Path(tempfile.gettempdir()) / f"hpc-garage-pg-{os.getuid()}-{hashlib_short(str(self.base))}"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self, log: int) -> str:
+        """Start it (creating it first if need be); the connection URL for Prefect."""
+        for d in (self.base, self.socket_dir):
+            self._private_dir(d)
+        password = str(_read_json(self.secrets).get("password") or "")
+        fresh = not (self.data / "PG_VERSION").exists()
+        if fresh:
+            if self.data.exists():
+                shutil.rmtree(self.data)  # a half-made one from an interrupted initdb
+            password = secrets.token_hex(24)
+            pwfile = self.base / "pwfile"
+            write_private(pwfile, password + "\n")
+            self._chown(pwfile)
+            try:
+                self._run([str(self.bin / "initdb"), "-D", str(self.data), "-U", "prefect", "-E", "UTF8",
+                           "--auth=scram-sha-256", f"--pwfile={pwfile}", "--no-instructions"], log)
+            finally:
+                pwfile.unlink(missing_ok=True)
+            write_private(self.secrets, json.dumps({"password": password, "data": str(self.data)}))
+        elif not password:
+            raise UserError(f"{self.data} exists but {self.secrets} (its password) does not; remove {self.base} "
+                            "to start a fresh database")
+        command = [str(self.bin / "postgres"), "-D", str(self.data), "-k", str(self.socket_dir), "-p", self.PORT,
+                   "-c", "listen_addresses=", "-c", "unix_socket_permissions=0700"]
+        self.process = subprocess.Popen(self._as_owner(command), stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        env = {**os.environ, "PGPASSWORD": password}
+        deadline = time.monotonic() + 60
+        while subprocess.run([str(self.bin / "pg_isready"), "-q", "-h", str(self.socket_dir), "-p", self.PORT],
+                             env=env, stdout=log, stderr=log).returncode != 0:
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise UserError(f"PostgreSQL in {self.data} did not start (see the server log)")
+            time.sleep(0.2)
+        if fresh:
+            subprocess.run([str(self.bin / "createdb"), "-h", str(self.socket_dir), "-p", self.PORT, "-U", "prefect",
+                            "prefect"], env=env, stdout=log, stderr=log, check=True)
+        return f"postgresql+asyncpg://prefect:{password}@/prefect?host={self.socket_dir}&port={self.PORT}"
+
+    def stop(self) -> None:
+        """Fast shutdown (SIGINT): sessions are ended, the data is consistent."""
+        if self.process is not None:
+            _stop_child(self.process, signal.SIGINT, grace=6.0)
+
+    def _run(self, command: list[str], log: int) -> None:
+        subprocess.run(self._as_owner(command), stdin=subprocess.DEVNULL, stdout=log, stderr=log, check=True)
+
+    def _as_owner(self, command: list[str]) -> list[str]:
+        if self.run_as is None:
+            return command
+        user, group = self.run_as
+        return ["setpriv", f"--reuid={user}", f"--regid={group}", "--clear-groups", *command]
+
+    def _private_dir(self, path: Path) -> None:
+        """0700 and ours (or the run-as user's): never a directory someone else made for us."""
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._chown(path)
+        info = os.lstat(path)
+        owner = os.getuid() if self.run_as is None else _uid(self.run_as[0])
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != owner:
+            raise UserError(f"{path} is not a directory owned by uid {owner}; remove it")
+        os.chmod(path, 0o700)
+
+    def _chown(self, path: Path) -> None:
+        if self.run_as is not None:
+            shutil.chown(path, *self.run_as)
+
+
+def hashlib_short(text: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def _user_exists(name: str) -> bool:
+    import pwd
+
+    try:
+        pwd.getpwnam(name)
+    except KeyError:
+        return False
+    return True
+
+
+def _uid(name: str) -> int:
+    import pwd
+
+    return pwd.getpwnam(name).pw_uid
 
 
 def state_dir(host: str = LOOPBACK) -> Path:
@@ -143,7 +341,7 @@ def state_dir(host: str = LOOPBACK) -> Path:
 # ---------------------------------------------------------------------------------------------- starting
 
 
-def _start(directory: Path, host: str, timeout: float) -> ServerState:
+def _start(directory: Path, host: str, timeout: float, idle: float, database: Database) -> ServerState:
     port = _free_port(host)
     auth = f"hpc-garage:{secrets.token_urlsafe(24)}"
     env = {**BATCHING, **os.environ, **QUIET,
@@ -151,25 +349,194 @@ def _start(directory: Path, host: str, timeout: float) -> ServerState:
            "PREFECT_SERVER_API_AUTH_STRING": auth,
            "PREFECT_SERVER_UI_ENABLED": "false"}
     env.pop("PREFECT_API_URL", None)
-    command = [sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port", str(port),
-               "--no-ui", "--analytics-off"]
+    package_root = str(Path(__file__).resolve().parents[2])  # the keeper imports this very copy, whatever the cwd
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
+    command = [sys.executable, "-m", "hpc_garage.prefect.server", "keep", "--host", host, "--port", str(port),
+               "--idle", repr(idle)]
     log = directory / "server.log"
     with os.fdopen(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as out:
         process = subprocess.Popen(command, env=env, cwd=directory, stdin=subprocess.DEVNULL, stdout=out,
                                    stderr=subprocess.STDOUT, start_new_session=True)
     _children[process.pid] = process
     state = ServerState(url=f"http://{_url_host(host)}:{port}/api", pid=process.pid, auth=auth, host=host,
-                        port=port, started=time.time())
+                        port=port, started=time.time(), database=database.label(), idle_timeout=idle)
     deadline = time.monotonic() + timeout
     while not _answers(state):
         if (code := process.poll()) is not None or time.monotonic() > deadline:
             _terminate(state)
             why = f"exited with code {code}" if code is not None else f"did not answer within {timeout:.0f} s"
-            raise UserError(f"the Prefect server hpc-garage started ({' '.join(command[1:])}) {why}; "
-                            f"last lines of {log}: {_tail(log)} (or set PREFECT_API_URL to a server you run)")
+            raise UserError(f"the Prefect server hpc-garage started (prefect server start --host {host} --port "
+                            f"{port}, database {database.label()}) {why}; last lines of {log}: {_tail(log)} "
+                            "(or set PREFECT_API_URL to a server you run)")
         time.sleep(0.2)
     write_private(directory / "server.json", json.dumps(asdict(state), indent=2))
     return state
+
+
+def _lease(directory: Path) -> None:
+    """Mark this process as a user of the server, until it exits (the keeper checks)."""
+    leases = directory / "leases"
+    leases.mkdir(mode=0o700, exist_ok=True)
+    write_private(leases / str(os.getpid()), str(_start_ticks(os.getpid())))
+
+
+def _leases_last_use(directory: Path, now: float) -> float:
+    """`now` while a leaseholder runs; else the newest lease's time. Leases of ended processes are removed."""
+    last = 0.0
+    for lease in (directory / "leases").glob("*"):
+        try:
+            pid, ticks = int(lease.name), lease.read_text().strip()
+            last = max(last, lease.stat().st_mtime)
+        except (OSError, ValueError):
+            continue
+        if pid_alive(pid) and ticks == str(_start_ticks(pid)):
+            return now
+        lease.unlink(missing_ok=True)
+    return last
+
+
+def _start_ticks(pid: int) -> int | None:
+    """When process `pid` started (clock ticks since boot): a reused pid has another."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+# ------------------------------------------------------------------------------------------- the keeper
+
+
+def _keep(argv: list[str]) -> int:
+    """`python -m hpc_garage.prefect.server keep`: run the server (and its PostgreSQL) until idle or told to stop."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="hpc_garage.prefect.server keep")
+    parser.add_argument("--host", required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--idle", type=float, required=True)
+    args = parser.parse_args(argv)
+    directory = Path.cwd()
+    say = _say
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    signal.signal(signal.SIGINT, _exit_on_signal)
+    postgres: ManagedPostgres | None = None
+    server: subprocess.Popen[bytes] | None = None
+    env = dict(os.environ)
+    try:
+        database = database_choice(env)
+        if database.kind == "postgresql":
+            postgres = ManagedPostgres(directory)
+            say(f"starting PostgreSQL in {postgres.data} (socket in {postgres.socket_dir})")
+            env["PREFECT_SERVER_DATABASE_CONNECTION_URL"] = postgres.start(sys.stdout.fileno())
+        elif database.kind == "url" and database.url:
+            env["PREFECT_SERVER_DATABASE_CONNECTION_URL"] = database.url
+        server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", args.host,
+                                   "--port", str(args.port), "--no-ui", "--analytics-off"], env=env,
+                                  stdin=subprocess.DEVNULL)
+        url = f"http://{_url_host(args.host)}:{args.port}/api"
+        state = ServerState(url=url, pid=os.getpid(), auth=env["PREFECT_SERVER_API_AUTH_STRING"], host=args.host,
+                            port=args.port, started=time.time(), idle_timeout=args.idle)
+        def stop() -> None:
+            _stop_child(server, signal.SIGTERM, grace=6.0)
+            if postgres is not None:
+                postgres.stop()
+
+        return _watch(directory, state, server, args.idle, stop)
+    except UserError as exc:
+        say(str(exc))
+        return 2
+    except subprocess.CalledProcessError as exc:
+        say(f"{' '.join(map(str, exc.cmd))} exited with code {exc.returncode}")
+        return 3
+    finally:
+        if server is not None:
+            _stop_child(server, signal.SIGTERM, grace=6.0)
+        if postgres is not None:
+            postgres.stop()
+
+
+def _watch(directory: Path, state: ServerState, server: subprocess.Popen[bytes], idle: float,
+           stop: Callable[[], None]) -> int:
+    """Look every few seconds whether the server is used; stop once it has not been for `idle` seconds.
+
+    `stop` (the server, then its PostgreSQL) runs under the lock: a new server starts on the same database
+    files only after this one has let go of them."""
+    interval = max(0.5, min(30.0, idle / 6))
+    last_use, seen = time.time(), None
+    while True:
+        time.sleep(interval)
+        now = time.time()
+        if (code := server.poll()) is not None:
+            _say(f"prefect server start exited with code {code}")
+            with _locked(directory / "lock"):
+                _forget(directory, state)
+                stop()
+            return code or 1
+        counts = _run_counts(state)
+        if counts is None or counts != seen:  # runs moved, or too busy to answer
+            last_use, seen = now, counts
+        last_use = max(last_use, _leases_last_use(directory, now))
+        write_private(directory / "activity.json", json.dumps(
+            {"pid": state.pid, "last_activity": last_use, "checked": now, "idle_timeout": idle}))
+        if now - last_use < idle:
+            continue
+        with _locked(directory / "lock"):  # ensure_server waits: nobody is handed a server that is leaving
+            if time.time() - max(last_use, _leases_last_use(directory, time.time())) < idle:
+                continue  # handed out while we waited for the lock
+            _forget(directory, state)
+            _say(f"no flow or task run moved and no user process for {now - last_use:.0f} s "
+                 f"(HPC_GARAGE_PREFECT_SERVER_IDLE={idle:g}): stopping")
+            stop()
+            return 0
+
+
+def _run_counts(state: ServerState) -> tuple[int, ...] | None:
+    """Flow runs and task runs, all and in active states: any change is use. None when it does not answer."""
+    counts = []
+    for kind in ("flow_runs", "task_runs"):
+        for body in ({}, {kind: {"state": {"type": {"any_": list(ACTIVE_STATES)}}}}):
+            answer = _api_post(state, f"/{kind}/count", body)
+            if not isinstance(answer, int):
+                return None
+            counts.append(answer)
+    return tuple(counts)
+
+
+def _api_post(state: ServerState, path: str, body: dict[str, Any]) -> Any:
+    token = base64.b64encode(state.auth.encode()).decode()
+    request = urllib.request.Request(f"{state.url}{path}", data=json.dumps(body).encode(), method="POST",
+                                     headers={"Authorization": f"Basic {token}", "Content-Type": "application/json"})
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(request, timeout=10) as response:
+            return json.loads(response.read())
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+
+
+def _forget(directory: Path, state: ServerState) -> None:
+    """Remove server.json if it still names this keeper (a replacement's is left alone)."""
+    current = _read_state(directory)
+    if current is not None and current.pid == state.pid:
+        (directory / "server.json").unlink(missing_ok=True)
+
+
+def _stop_child(process: subprocess.Popen[bytes], how: signal.Signals, grace: float) -> None:
+    if process.poll() is None:
+        process.send_signal(how)
+        try:
+            process.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _exit_on_signal(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _say(text: str) -> None:
+    print(f"hpc-garage server keeper [{time.strftime('%H:%M:%S')}]: {text}", flush=True)
 
 
 def _free_port(host: str) -> int:
@@ -216,12 +583,13 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _is_our_server(state: ServerState) -> bool:
-    """Guard against pid reuse: only a `prefect server start` on our port is ever signalled."""
+    """Guard against pid reuse: only our keeper (or an older `prefect server start`) on our port is signalled."""
     try:
         argv = Path(f"/proc/{state.pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return False
-    return b"prefect" in b" ".join(argv) and b"server" in argv and str(state.port).encode() in argv
+    ours = b"hpc_garage.prefect.server" in argv and b"keep" in argv
+    return (ours or b"prefect" in b" ".join(argv) and b"server" in argv) and str(state.port).encode() in argv
 
 
 def _terminate(state: ServerState, grace: float = 10.0) -> bool:
@@ -244,6 +612,14 @@ def _read_state(directory: Path) -> ServerState | None:
         return ServerState(**json.loads((directory / "server.json").read_text()))
     except (OSError, ValueError, TypeError):
         return None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def _tail(path: Path, lines: int = 8) -> str:
@@ -279,3 +655,9 @@ def _read_toml(path: Path) -> dict[str, Any]:
         return tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError):
         return {}
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["keep"]:
+        sys.exit("usage: python -m hpc_garage.prefect.server keep --host HOST --port PORT --idle SECONDS")
+    sys.exit(_keep(sys.argv[2:]))
