@@ -320,7 +320,8 @@ def _submit_prepared(prepared: Any, dry_run: bool, wait: bool) -> None:
         stdout = click.get_text_stream("stdout")
         view = submission.find(done.job_id, str(prepared.site.path or prepared.site.name))
         try:
-            code = submission.wait(view, submission.progress_line(stdout))
+            line = submission.progress_line(stdout)
+            code = submission.wait(view, line, note=line.note)
         except KeyboardInterrupt:
             click.echo(f"\nstopped following job {done.job_id}; it goes on (hpc-garage status/cancel {done.job_id})")
             sys.exit(130)
@@ -399,12 +400,18 @@ def status(job_id: str | None, site_name: str | None, as_json: bool) -> None:
             "name": data["name"],
             f"{view.batch.name} state": f"{batch.state}" + (f" ({batch.reason})" if batch.reason else "") if batch else "not in the queue",
             "nodes": batch.nodes if batch else None,
+            "lost nodes": _lost_nodes(data["run"]),
             "log": data["log"],
             "run directory": data["run_dir"],
         }
+        progress = (data["run"] or {}).get("progress")
+        if progress:
+            details["trials"] = submission.progress_text(progress)
         for key, value in details.items():
             if value:
                 click.echo(f"  {key + ':':<16}{value}")
+        for line in submission.progress_links(progress) if progress and not view.finished else ():
+            click.echo(f"  {line}")
         return
     roots = None
     if site_name:
@@ -425,6 +432,15 @@ def status(job_id: str | None, site_name: str | None, as_json: bool) -> None:
         d = v.to_dict()
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(d["submitted"])) if d["submitted"] else "-"
         click.echo(f"{v.job_id:<12} {d['site'] or '-':<14} {(d['name'] or '-')[:20]:<20} {when:<17} {d['summary']}")
+
+
+def _lost_nodes(run: dict[str, Any] | None) -> str | None:
+    """state.json's lost nodes (cluster/node_loss.py), e.g. `node2 at 23:41:07 (killed by signal 9; restarted)`."""
+    import time
+
+    lost = (run or {}).get("lost_nodes") or []
+    return "; ".join(f"{x.get('host')} at {time.strftime('%H:%M:%S', time.localtime(x.get('at', 0)))} ({x.get('why')}"
+                     + ("; restarted)" if x.get("restarted") else ")") for x in lost) or None
 
 
 @cli.command()
@@ -449,6 +465,28 @@ def logs(job_id: str, follow: bool, site_name: str | None) -> None:
         submission.logs(submission.find(job_id, site_name), click.get_binary_stream("stdout"), follow=follow)
     except KeyboardInterrupt:
         sys.exit(130)
+
+
+@cli.command()
+@click.argument("job_id")
+@click.option("--site", "site_name", help="Where to look for the job's run directory.")
+@click.option("--json", "as_json", is_flag=True, help="Print report.json as it is.")
+@click.option("--plot", "plot_file", type=click.Path(dir_okay=False), help="Write a per-GPU timeline PNG (needs the plot extra).")
+def report(job_id: str, site_name: str | None, as_json: bool, plot_file: str | None) -> None:
+    """Print the efficiency report of a job that ended: GPUs and workers allocated, busy and idle, memory, trials."""
+    from hpc_garage.cluster.report import load, plot, summary
+    from hpc_garage.schedulers import submission
+
+    data = load(submission.find(job_id, site_name), job_id)
+    if plot_file:
+        plot(data, plot_file)
+    if as_json:
+        click.echo(json.dumps(data, indent=2))
+        return
+    for line in summary(data):
+        click.echo(line)
+    if plot_file:
+        click.echo(f"timeline: {plot_file}")
 
 
 @cli.group()

@@ -27,6 +27,7 @@ from typing import Any
 from hpc_garage.core.errors import UserError
 from hpc_garage.cluster.handoff import (JOB_ID_ENV, RUN_DIR_ENV, SCHEDULER_FILE_ENV, START_TIMEOUT_ENV, Handoff,
                                        RunDir)
+from hpc_garage.cluster.node_loss import NodeWatch
 from hpc_garage.files import write_private
 from hpc_garage.launchers.common import (Launcher, end_process, listening_host, scheduler_preload,
                                         security_from, worker_preload)
@@ -74,11 +75,11 @@ def run(site: Site, command: list[str], *, insecure: bool = False, timeout: floa
     if shutil.which(command[0], path=env.get("PATH")) is None and not os.path.exists(command[0]):
         raise UserError(f"{command[0]!r}: command not found; check the command after --")
     if site.launcher == "jobqueue":
-        from hpc_garage.launchers.jobqueue.launcher import JobqueueLauncher, initial_layout
+        from hpc_garage.launchers.jobqueue.launcher import JobqueueLauncher, initial_layout, run_end_time
 
         job_id = batch_job_id(env) or f"local-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         layout_, notes = initial_layout(site)
-        launcher = JobqueueLauncher(site, job_id)
+        launcher = JobqueueLauncher(site, job_id, run_end_time(site, env))  # worker jobs end before it
     elif site.scheduler != "local" and in_batch_job(env):
         allocation = allocation_from_env(site, env)
         layout_ = layout(site, allocation)
@@ -128,16 +129,19 @@ async def _serve(site: Site, layout_: Layout, launcher: Launcher, rundir: RunDir
                  RUN_DIR_ENV: str(rundir.path), SITE_ENV: site.name, START_TIMEOUT_ENV: f"{timeout:g}",
                  **launcher.command_env}
     scheduler: Any = None
+    progress: Any = None
     preload: threading.Thread | None = None
     code: int | None = None
     proc: asyncio.subprocess.Process | None = None
     interrupted = _stop_on_signals()
+    nodes = NodeWatch()  # lost nodes, for the whole run (cluster/node_loss.py)
     try:
         await launcher.prepare(tls, worker_env, rundir, timeout)
         proc = await _start_command(command, child_env, interrupted)  # it imports Prefect while the cluster starts
         from distributed import Scheduler  # about a second of imports, while the others start
 
         from hpc_garage.cluster.placement import install
+        from hpc_garage.cluster.progress import install as install_progress
 
         if tls is not None:
             rundir.write_credentials()
@@ -146,6 +150,8 @@ async def _serve(site: Site, layout_: Layout, launcher: Launcher, rundir: RunDir
                               **launcher.scheduler_host)
         install(scheduler)  # resource tasks go only to workers with them free (placement.py); every launcher
         await scheduler
+        progress = await install_progress(scheduler, lambda figures: state(state.data["phase"], progress=figures),
+                                          vendor=site.node.gpu_vendor, api=api_env)  # trials, GPUs, links; report
         os.chmod(rundir.dask_scheduler_file, 0o600)  # Dask writes it 0644; it names the cluster's address
         preload = _import_in_background(scheduler_preload(env))
         await launcher.start(scheduler.address, tls, worker_env, rundir)
@@ -155,7 +161,8 @@ async def _serve(site: Site, layout_: Layout, launcher: Launcher, rundir: RunDir
                               prefect_api_url=api_env.get("PREFECT_API_URL"), workers=expected, site=site.name)
             rundir.publish(handoff)
             state("running", workers=len(expected))
-        code = await _command_exit(proc)
+            nodes.start(scheduler, launcher, layout_, lambda **kw: state(state.data["phase"], **kw), proc)
+        code = nodes.exit_code(await _command_exit(proc))
     except asyncio.CancelledError:
         if not interrupted:
             raise
@@ -164,10 +171,14 @@ async def _serve(site: Site, layout_: Layout, launcher: Launcher, rundir: RunDir
         _on_signals(lambda sig: say(f"signal {sig} ignored: tearing down (stopping workers, cancelling jobs)"))
         if code is None and proc is not None:
             await _end_command(proc)
+        nodes.cancel()
         launcher.draining()
         for name in ("scheduler.json", "dask-scheduler.json", "tls", "ranks.json"):
             target = rundir.path / name
             shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
+        if progress is not None:  # report.json and its summary, while the workers are still there
+            for line in progress.finish(rundir.path):
+                say(f"report: {line}")
         if scheduler is not None:
             await _retire(scheduler)
             await scheduler.close(reason="hpc-garage run: command finished")

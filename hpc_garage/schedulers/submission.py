@@ -247,6 +247,8 @@ class JobView:
             if phase == "workers" and expected:
                 return f"workers {workers or 0}/{expected}"
             if phase == "running":
+                if progress := state.get("progress"):
+                    return f"running: {progress_text(progress)}"
                 return f"running ({workers} worker{'s' if workers != 1 else ''})" if workers else "running"
             return "running" + (" (starting)" if phase == "starting" else "")
         return self._ended(s.state)
@@ -404,11 +406,18 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 # ------------------------------------------------------------------------------------ following a job
 
 
-def wait(view: JobView, report: Callable[[str], None], *, interval: float = 0.5, limit: float = 1.0) -> int:
-    """Report the job's summary whenever it changes until it ends; return its exit code (1 when unknown)."""
+def wait(view: JobView, report: Callable[[str], None], *, interval: float = 0.5, limit: float = 1.0,
+         note: Callable[[str], None] | None = None) -> int:
+    """Report the job's summary whenever it changes until it ends, and (`note`) where to look once known;
+    return its exit code (1 when unknown)."""
     shown = None
+    noted: set[str] = set()
     while True:
         refresh(view)
+        for line in progress_links((view.state or {}).get("progress") or {}) if note and not view.finished else ():
+            if line not in noted:
+                noted.add(line)
+                note(line)
         text = f"job {view.job_id} {view.summary()}"
         if text != shown:
             report(text)
@@ -420,15 +429,71 @@ def wait(view: JobView, report: Callable[[str], None], *, interval: float = 0.5,
         interval = min(limit, interval * 1.5)
 
 
-def progress_line(stream: IO[str]) -> Callable[[str], None]:
-    """One line rewritten in place on a terminal; one line per change elsewhere (logs, pipes)."""
-    tty = stream.isatty()
+@dataclass
+class ProgressLine:
+    """One line rewritten in place on a terminal; one line per change elsewhere (logs, pipes). `note` prints
+    a line that stays (above the one rewritten)."""
 
-    def report(text: str) -> None:
-        stream.write(f"\r\x1b[K{text}" if tty else f"{text}\n")
-        stream.flush()
+    stream: IO[str]
 
-    return report
+    def __call__(self, text: str) -> None:
+        self.stream.write(f"\r\x1b[K{text}" if self.stream.isatty() else f"{text}\n")
+        self.stream.flush()
+
+    def note(self, text: str) -> None:
+        self.stream.write(f"\r\x1b[K{text}\n" if self.stream.isatty() else f"{text}\n")
+        self.stream.flush()
+
+
+def progress_line(stream: IO[str]) -> ProgressLine:
+    return ProgressLine(stream)
+
+
+# ------------------------------------------------------------------------------------ a sweep's progress
+
+
+def progress_text(progress: dict[str, Any]) -> str:
+    """`12 done, 4 running, 1 failed, 20 waiting; GPUs 4/4 busy; 1m05s, ETA 2m10s` (cluster/progress.py)."""
+    counts = ", ".join(f"{progress.get(k, 0)} {k}" for k in ("done", "running", "failed", "waiting"))
+    parts = [counts]
+    if progress.get("gpus"):
+        parts.append(f"GPUs {progress.get('gpus_busy', 0)}/{progress['gpus']} busy")
+    elapsed = progress.get("elapsed")
+    if elapsed is not None:
+        eta = progress.get("eta")
+        parts.append(_duration(elapsed) + (f", ETA {_duration(eta)}" if eta is not None else ""))
+    return "; ".join(parts)
+
+
+def progress_links(progress: dict[str, Any], login: str | None = None) -> list[str]:
+    """Where to look while it runs: the Prefect flow run(s) in the UI, the Dask dashboard and the `ssh -L`
+    line that reaches it from a laptop through this (login) node."""
+    import getpass
+    import socket
+
+    lines = []
+    prefect = progress.get("prefect") or {}
+    for run in prefect.get("flow_runs") or []:
+        where = run.get("url") or run.get("id")
+        if prefect.get("ui") is False:
+            lines.append(f"Prefect flow run {run.get('id')} (the Prefect server at {prefect.get('api')} runs "
+                         "without its UI; set PREFECT_API_URL to a server with one to browse it)")
+        else:
+            lines.append(f"Prefect UI: {where}")
+    if dashboard := progress.get("dashboard"):
+        host, port = dashboard.get("host"), dashboard.get("port")
+        login = login or f"{getpass.getuser()}@{socket.getfqdn()}"
+        lines.append(f"Dask dashboard: http://{host}:{port}/status" + (
+            "" if dashboard.get("bokeh", True) else " (the job's Python lacks bokeh: `pip install bokeh` there for the plots)"))
+        lines.append(f"  from a laptop: ssh -N -L 8787:{host}:{port} {login}  then open http://localhost:8787/status")
+    return lines
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    return (f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s" if rest >= 60
+            else f"{rest}s")
 
 
 def cancel(view: JobView) -> str:

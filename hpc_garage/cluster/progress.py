@@ -1,0 +1,302 @@
+"""How far the sweep has got, read where it is known (the Dask scheduler), and the record its report is made of.
+
+`install(scheduler, ...)` adds `RunProgress`, a SchedulerPlugin, to the scheduler `hpc-garage run` starts
+(every launcher), and registers `launchers.gpu_sampler.TrialSampler` for every worker that joins. Every
+PROGRESS_SECONDS it hands `write` the figures `submit --wait` and `status` show (run.py keeps them in
+state.json under "progress"):
+- trials (Dask tasks: one per Prefect task run) done, running (executing on a worker, as the workers'
+  heartbeats say), failed (erred, or a Prefect Failed/Crashed state, as the worker's sampler says), waiting
+  (known to the scheduler, not started);
+- GPUs busy (GPU workers executing something) out of GPUs allocated (the workers' `GPU` resources);
+- elapsed seconds and a simple ETA (trials left at the rate trials have finished so far);
+- where to look: the Dask dashboard, and the Prefect flow run(s), found from a task key
+  (`<task name>-<task run id hex>`, prefect/fast.py) through the API's `/task_runs/{id}`.
+At the end, `report()` turns the record into the efficiency report (cluster/report.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import importlib.util
+import json
+import re
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from distributed.diagnostics.plugin import SchedulerPlugin
+
+from hpc_garage.launchers.gpu_sampler import NAME as SAMPLER_NAME, TOPIC, TrialSampler
+
+if TYPE_CHECKING:
+    from distributed import Scheduler
+
+__all__ = ["NAME", "PROGRESS_SECONDS", "RunProgress", "install", "prefect_ui_url"]
+
+NAME = "hpc-garage-progress"
+PROGRESS_SECONDS = 2.0
+TICK_SECONDS = 1.0  # memory peaks are read this often (the workers' heartbeats update them)
+TASK_RUN_ID = re.compile(r"-([0-9a-f]{32})$")
+
+
+@dataclass
+class WorkerRecord:
+    name: str
+    gpus: float  # its GPU resource
+    memory_limit: int
+    nthreads: int
+    joined: float
+    left: float | None = None
+    memory_peak: int = 0
+    gpu_ids: list[str] = field(default_factory=list)
+
+
+@dataclass
+class TrialRecord:
+    key: str
+    worker: str
+    start: float
+    stop: float
+    failed: bool
+    asked_gpu: bool
+
+
+async def install(scheduler: Scheduler, write: Callable[[dict[str, Any]], None], *, vendor: str = "nvidia",
+                  api: Mapping[str, str] | None = None) -> RunProgress:
+    """Progress on this scheduler, and the GPU sampler on every worker that joins it (before they start)."""
+    from distributed.protocol.pickle import dumps
+
+    plugin = RunProgress(write, api=api)
+    scheduler.add_plugin(plugin, name=NAME)
+    plugin.attach(scheduler)
+    await scheduler.register_worker_plugin(None, dumps(TrialSampler(vendor)), name=SAMPLER_NAME, idempotent=True)
+    return plugin
+
+
+class RunProgress(SchedulerPlugin):
+    """See the module docstring. One instance per scheduler."""
+
+    name = NAME
+
+    def __init__(self, write: Callable[[dict[str, Any]], None], *, api: Mapping[str, str] | None = None) -> None:
+        self.write = write
+        self.api = dict(api or {})
+        self.scheduler: Any = None
+        self.started = time.time()
+        self.first_task: float | None = None
+        self.known: dict[str, None] = {}  # ordered: the newest last
+        self.trials: dict[str, TrialRecord] = {}
+        self.sampled: dict[str, dict[str, Any]] = {}  # key → the worker's sampler event
+        self.workers: dict[str, WorkerRecord] = {}  # by address
+        self.flow_runs: list[str] = []
+        self.looked_up: set[str] = set()
+        self.ui: bool | None = None  # whether the API's server serves its UI (None: not asked yet)
+        self.lookup: asyncio.Future[Any] | None = None
+        self.ticks = 0
+        self.last: dict[str, Any] = {}
+
+    def attach(self, scheduler: Scheduler) -> None:
+        from tornado.ioloop import PeriodicCallback
+
+        self.scheduler = scheduler
+        for address in scheduler.workers:
+            self.add_worker(scheduler, address)
+        tick = PeriodicCallback(self.tick, TICK_SECONDS * 1000)
+        scheduler.periodic_callbacks[NAME] = tick
+        if scheduler.status.name == "running":
+            tick.start()
+
+    # ------------------------------------------------------------------------------------ the record
+
+    def add_worker(self, scheduler: Scheduler, worker: str) -> None:
+        ws = scheduler.workers.get(worker)
+        if ws is not None and worker not in self.workers:
+            self.workers[worker] = WorkerRecord(name=str(ws.name), gpus=float(ws.resources.get("GPU", 0)),
+                                                memory_limit=int(ws.memory_limit or 0), nthreads=ws.nthreads,
+                                                joined=time.time())
+
+    def remove_worker(self, scheduler: Scheduler, worker: str, **kwargs: Any) -> None:
+        if (record := self.workers.get(worker)) is not None and record.left is None:
+            record.left = time.time()
+
+    def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
+        name = str(key)
+        if finish == "forgotten":
+            if name not in self.trials:
+                self.known.pop(name, None)  # cancelled before it ran
+            return
+        if name not in self.known:
+            self.known[name] = None
+            if self.first_task is None:
+                self.first_task = time.time()
+        if start != "processing" or finish not in ("memory", "erred"):
+            return
+        compute = [s for s in kwargs.get("startstops") or () if s.get("action") == "compute"]
+        ws = self.scheduler.workers.get(kwargs.get("worker")) if self.scheduler else None
+        ts = self.scheduler.tasks.get(key) if self.scheduler else None
+        if not compute or ws is None:
+            return
+        self.trials[name] = TrialRecord(
+            key=name, worker=str(ws.name), start=float(compute[0]["start"]), stop=float(compute[-1]["stop"]),
+            failed=finish == "erred", asked_gpu=bool(ts is not None and (ts.resource_restrictions or {}).get("GPU")))
+
+    def log_event(self, topic: str, msg: Any) -> None:
+        if topic != TOPIC or not isinstance(msg, dict):
+            return
+        if "key" in msg:
+            self.sampled[str(msg["key"])] = msg
+        elif msg.get("gpus"):  # a sampler starting: its worker's GPU ids
+            for record in self.workers.values():
+                if record.name == str(msg.get("worker")):
+                    record.gpu_ids = [str(g) for g in msg["gpus"]]
+
+    # ------------------------------------------------------------------------------------ progress
+
+    def tick(self) -> None:
+        self._read_memory()
+        self.ticks += 1
+        if self.ticks % round(PROGRESS_SECONDS / TICK_SECONDS) == 0:
+            self._find_flow_run()
+            with contextlib.suppress(OSError):
+                self.write(self.figures())
+
+    def _read_memory(self) -> None:
+        for address, ws in self.scheduler.workers.items():
+            if (record := self.workers.get(address)) is not None:
+                record.memory_peak = max(record.memory_peak, int(ws.memory.process))
+
+    def figures(self) -> dict[str, Any]:
+        """What state.json's "progress" holds: counts, GPUs, times, and where to look."""
+        s = self.scheduler
+        now = time.time()
+        failed = sum(1 for t in self.trials.values() if t.failed or self.sampled.get(t.key, {}).get("failed"))
+        done = len(self.trials) - failed
+        running = sum(1 for ws in s.workers.values() for ts in ws.executing
+                      if ts.state == "processing" and ts.processing_on is ws)
+        busy_gpus = sum(float(ws.resources.get("GPU", 0)) for ws in s.workers.values()
+                        if ws.resources.get("GPU") and any(ts.state == "processing" for ts in ws.executing))
+        waiting = max(len(self.known) - len(self.trials) - running, 0)
+        eta = None
+        if self.first_task is not None and len(self.trials) and (waiting or running):
+            rate = len(self.trials) / max(now - self.first_task, 1e-6)
+            eta = round((waiting + running) / rate, 1)
+        figures: dict[str, Any] = {
+            "done": done, "running": running, "failed": failed, "waiting": waiting,
+            "gpus_busy": _number(busy_gpus), "gpus": _number(sum(float(ws.resources.get("GPU", 0))
+                                                                for ws in s.workers.values())),
+            "elapsed": round(now - self.started, 1), "eta": eta, "updated": now,
+            "dashboard": self._dashboard(),
+        }
+        if url := self.api.get("PREFECT_API_URL"):
+            figures["prefect"] = {"api": url, "ui": self.ui, "flow_runs": [
+                {"id": run, "url": prefect_ui_url(url, run)} for run in self.flow_runs]}
+        self.last = figures
+        return figures
+
+    def _dashboard(self) -> dict[str, Any] | None:
+        server = self.scheduler.services.get("dashboard")
+        if server is None:
+            return None
+        host = self.scheduler.address.split("://")[-1].rsplit(":", 1)[0]
+        return {"host": host, "port": int(server.port),
+                "bokeh": importlib.util.find_spec("bokeh") is not None}
+
+    def _find_flow_run(self) -> None:
+        """Look up one not-yet-known Prefect task run's flow run, in a thread, at most once per tick."""
+        url = self.api.get("PREFECT_API_URL")
+        if not url or (self.lookup is not None and not self.lookup.done()):
+            return
+        for key in reversed(list(self.known)[-64:]):
+            if (m := TASK_RUN_ID.search(key)) and m.group(1) not in self.looked_up:
+                self.looked_up.add(m.group(1))
+                self.lookup = asyncio.get_running_loop().run_in_executor(None, self._flow_run_of, url, m.group(1))
+                return
+
+    def _flow_run_of(self, url: str, task_run_hex: str) -> None:
+        if self.ui is None:
+            self.ui = _serves_ui(url)
+        task_run = f"{task_run_hex[:8]}-{task_run_hex[8:12]}-{task_run_hex[12:16]}-{task_run_hex[16:20]}-{task_run_hex[20:]}"
+        request = urllib.request.Request(f"{url.rstrip('/')}/task_runs/{task_run}", headers=_auth(self.api))
+        try:
+            with urllib.request.urlopen(request, timeout=5) as answer:
+                flow_run = json.loads(answer.read()).get("flow_run_id")
+        except (OSError, ValueError):
+            self.looked_up.discard(task_run_hex)  # not recorded yet, or the API is busy: try again later
+            return
+        if flow_run and flow_run not in self.flow_runs:
+            self.flow_runs.append(flow_run)
+
+    # ------------------------------------------------------------------------------------ the end
+
+    def finish(self, run_dir: Path) -> list[str]:
+        """COMMAND ended: the last progress, then report.json in the run directory; its summary lines."""
+        from hpc_garage.cluster.report import REPORT_FILE, build, summary
+        from hpc_garage.files import write_private
+
+        if (tick := self.scheduler.periodic_callbacks.pop(NAME, None)) is not None:
+            tick.stop()
+        try:
+            self._read_memory()
+            self.write(self.figures())
+            report = build(self.record())
+            write_private(run_dir / REPORT_FILE, json.dumps(report))
+        except Exception as exc:  # noqa: BLE001 - the report must never turn a finished run into a failed one
+            return [f"not written ({type(exc).__name__}: {exc})"]
+        return [*summary(report), f"written to {run_dir / REPORT_FILE} (`hpc-garage report JOB` shows it again)"]
+
+    def record(self, ended: float | None = None) -> dict[str, Any]:
+        """Everything the report is computed from, as plain JSON types (cluster/report.py)."""
+        ended = time.time() if ended is None else ended
+        trials = []
+        for t in sorted(self.trials.values(), key=lambda t: t.start):
+            sampled = self.sampled.get(t.key, {})
+            trial = {"key": t.key, "worker": t.worker, "start": t.start, "stop": t.stop,
+                     "failed": t.failed or bool(sampled.get("failed")), "asked_gpu": t.asked_gpu}
+            trial |= {k: v for k, v in sampled.items() if k.startswith("gpu")}
+            trials.append(trial)
+        return {"started": self.started, "ended": ended,
+                "workers": [{"name": w.name, "gpus": w.gpus, "gpu_ids": w.gpu_ids, "nthreads": w.nthreads,
+                             "memory_limit": w.memory_limit, "memory_peak": w.memory_peak, "joined": w.joined,
+                             "left": min(w.left, ended) if w.left else ended} for w in self.workers.values()],
+                "trials": trials, "flow_runs": self.last.get("prefect", {}).get("flow_runs", [])}
+
+
+def prefect_ui_url(api_url: str, flow_run: str) -> str:
+    """The Prefect UI page of a flow run, from the API URL (Prefect Cloud's or a server's)."""
+    m = re.match(r"https://api\.prefect\.(cloud|dev)/api/accounts/([^/]+)/workspaces/([^/]+)", api_url)
+    if m:
+        return f"https://app.prefect.{m.group(1)}/account/{m.group(2)}/workspace/{m.group(3)}/runs/flow-run/{flow_run}"
+    return f"{re.sub(r'/api/?$', '', api_url.rstrip('/'))}/runs/flow-run/{flow_run}"
+
+
+def _serves_ui(api_url: str) -> bool | None:
+    """Whether the server behind this API serves Prefect's UI (hpc-garage's own runs without it); None: unknown."""
+    base = re.sub(r"/api/?$", "", api_url.rstrip("/"))
+    if base == api_url.rstrip("/"):
+        return None  # not a server's /api URL (Prefect Cloud): its UI is elsewhere, and always on
+    try:
+        with urllib.request.urlopen(f"{base}/", timeout=5) as answer:
+            return "html" in answer.headers.get("content-type", "")
+    except urllib.error.HTTPError:
+        return False
+    except OSError:
+        return None
+
+
+def _auth(api: Mapping[str, str]) -> dict[str, str]:
+    """The header Prefect's client sends for an auth string or an API key."""
+    if auth := api.get("PREFECT_API_AUTH_STRING"):
+        return {"Authorization": f"Basic {base64.b64encode(auth.encode()).decode()}"}
+    if key := api.get("PREFECT_API_KEY"):
+        return {"Authorization": f"Bearer {key}"}
+    return {}
+
+
+def _number(value: float) -> float | int:
+    return int(value) if float(value).is_integer() else value
