@@ -1,0 +1,185 @@
+"""The managed Prefect server leaves when idle, comes back on demand, and runs on PostgreSQL when asked."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from hpc_garage.core.errors import UserError
+from hpc_garage.prefect import server as prefect_server
+from hpc_garage.prefect.server import ensure_api, server_status, state_dir, stop_server
+
+ROOT = Path(__file__).resolve().parent.parent
+START = 300.0  # a fresh server migrates its database; on a loaded 2-core machine that takes minutes
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
+    """A private HOME (so a private server), no Prefect configuration, a 3 s idle limit; the server stopped after."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for name in ("PREFECT_API_URL", "PREFECT_PROFILE", "PREFECT_HOME", "PREFECT_PROFILES_PATH",
+                 "PREFECT_API_AUTH_STRING", "HPC_GARAGE_PREFECT_DATABASE", "PREFECT_SERVER_DATABASE_CONNECTION_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HPC_GARAGE_PREFECT_SERVER_IDLE", "3")
+    yield tmp_path
+    stop_server()
+
+
+def in_child(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`code` in a fresh process of its own (its lease ends when it exits)."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, **(env or {})}, timeout=START + 60)
+
+
+HAND_OUT = f"import json; from hpc_garage.prefect.server import ensure_api; print(json.dumps(ensure_api(timeout={START})))"
+
+
+def processes_in(directory: Path) -> list[int]:
+    """Processes whose working directory is the server's state directory: the keeper and the server."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and Path(os.readlink(proc / "cwd")) == directory:
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
+
+
+def wait_until(check, timeout: float) -> bool:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.5)
+    return bool(check())
+
+
+def answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=3):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_an_idle_server_leaves_and_the_next_run_starts_a_fresh_one(home: Path) -> None:
+    # a flow that fails, in a process that then exits: it leaves no extra server, and the one it used leaves
+    failing = ("import os\nfrom hpc_garage.prefect.server import ensure_api\n"
+               f"os.environ.update(ensure_api(timeout={START}))\n"
+               "from prefect import flow\n"
+               "@flow\ndef broken():\n    raise RuntimeError('trial failed')\n"
+               "broken(return_state=True)\nprint('flow done')")
+    done = in_child(failing)
+    assert "flow done" in done.stdout, done.stderr[-2000:]
+    first = json.loads((state_dir() / "server.json").read_text())
+    status = server_status()
+    assert status["running"] and status["database"] == "sqlite" and status["idle_timeout_s"] == 3
+    assert status["uptime_s"] >= 0 and status["idle_s"] >= 0
+    directory = state_dir()
+    assert len(processes_in(directory)) == 2  # the keeper and prefect server start: no extra server
+
+    # no flow runs, no process holding it: it leaves after ~3 s (the keeper looks every 0.5 s)
+    assert wait_until(lambda: not prefect_server.pid_alive(first["pid"]), 90), server_status()
+    assert not (directory / "server.json").exists()
+    assert not answers(first["url"])
+    assert wait_until(lambda: not processes_in(directory), 30)
+    assert "stopping" in (directory / "server.log").read_text()
+    assert server_status()["running"] is False
+
+    # the next run starts a fresh one cleanly
+    again = json.loads(in_child(HAND_OUT).stdout)
+    second = json.loads((directory / "server.json").read_text())
+    assert second["pid"] != first["pid"] and again["PREFECT_API_URL"] == second["url"]
+    assert answers(second["url"])
+
+
+@pytest.mark.slow
+def test_a_server_in_use_stays(home: Path) -> None:
+    """A process it was handed to keeps it while it runs, however long it is quiet; then it leaves."""
+    holder = subprocess.Popen([sys.executable, "-c", HAND_OUT + "; import sys; sys.stdout.flush(); "
+                               "import time; time.sleep(3600)"], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        api = json.loads(holder.stdout.readline())
+        time.sleep(10)  # more than three idle limits
+        status = server_status()
+        assert status["running"] and status["healthy"], status
+        assert status["idle_s"] < 3
+        assert answers(api["PREFECT_API_URL"])
+    finally:
+        holder.kill()
+        holder.wait()
+    pid = server_status()["pid"]
+    assert wait_until(lambda: not prefect_server.pid_alive(pid), 90)
+
+
+def test_bad_settings_are_refused_in_one_line_and_nothing_starts(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HPC_GARAGE_PREFECT_DATABASE", "mysql")
+    with pytest.raises(UserError, match=r"^HPC_GARAGE_PREFECT_DATABASE='mysql': give sqlite, postgresql"):
+        ensure_api()
+    monkeypatch.setenv("HPC_GARAGE_PREFECT_DATABASE", "sqlite")
+    monkeypatch.setenv("HPC_GARAGE_PREFECT_SERVER_IDLE", "soon")
+    with pytest.raises(UserError, match=r"^HPC_GARAGE_PREFECT_SERVER_IDLE='soon': give seconds"):
+        ensure_api()
+    assert not (home / ".hpc-garage").exists()
+    # the CLI says the same in one line, exit 2
+    done = subprocess.run([sys.executable, "-m", "hpc_garage", "server", "status"], capture_output=True, text=True,
+                          cwd=ROOT, env={**os.environ, "HPC_GARAGE_PREFECT_DATABASE": "mysql"})
+    assert done.returncode == 0  # status reads; it starts nothing and needs no database choice
+
+
+def test_the_users_database_url_is_passed_through_without_its_password() -> None:
+    choice = prefect_server.database_choice(
+        {"HPC_GARAGE_PREFECT_DATABASE": "postgresql+asyncpg://me:s3cret@db.example:5432/prefect"})
+    assert choice.kind == "url" and choice.label() == "postgresql+asyncpg://db.example:5432/prefect"
+    assert prefect_server.database_choice({"PREFECT_SERVER_DATABASE_CONNECTION_URL": "postgresql+asyncpg://x@h/d"}).kind == "url"
+    assert prefect_server.database_choice({}).kind == "sqlite"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/usr/lib/postgresql").exists() and not shutil.which("initdb"),
+                    reason="PostgreSQL's server binaries are not installed (apt install postgresql)")
+def test_postgresql_in_user_space(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HPC_GARAGE_PREFECT_DATABASE", "postgresql")
+    monkeypatch.setenv("HPC_GARAGE_PREFECT_SERVER_IDLE", "600")
+    directory = state_dir()
+    postgres = prefect_server.ManagedPostgres(directory)
+    try:
+        env = ensure_api(timeout=START)
+        status = server_status()
+        assert status["healthy"] and status["database"] == "postgresql (managed)"
+        assert (postgres.data / "PG_VERSION").exists()
+        assert oct(postgres.base.stat().st_mode & 0o777) == "0o700"
+        assert oct((directory / "postgres.json").stat().st_mode & 0o777) == "0o600"
+        socket = postgres.socket_dir / ".s.PGSQL.5432"
+        assert socket.exists() and oct(postgres.socket_dir.stat().st_mode & 0o777) == "0o700"
+        # a flow run goes into PostgreSQL, not into a SQLite file
+        flow = ("import json,sys; from prefect import flow\n@flow\ndef f():\n    return 7\n"
+                "print(f())")
+        done = in_child(flow, env)
+        assert done.stdout.strip().endswith("7"), done.stderr[-2000:]
+        assert not list((directory / "home").glob("*.db"))
+        postmaster = int((postgres.data / "postmaster.pid").read_text().split()[0])
+        assert stop_server() is True
+        assert not prefect_server.pid_alive(postmaster)  # stopped with the server
+        assert not socket.exists()
+
+        # the next start reuses the database: the flow run is still there
+        env = ensure_api(timeout=START)
+        code = ("import asyncio\nfrom prefect.client.orchestration import get_client\n"
+                "async def main():\n    async with get_client() as c:\n        print(len(await c.read_flow_runs()))\n"
+                "asyncio.run(main())")
+        assert in_child(code, env).stdout.strip() == "1"
+    finally:
+        stop_server()
+        if os.geteuid() == 0:
+            shutil.rmtree(postgres.base, ignore_errors=True)  # outside HOME: /var/tmp
