@@ -69,6 +69,10 @@ class MpiSettings(_Strict):
     `launch: dask-mpi` starts one MPI rank per worker instead, each running dask-mpi's worker side against
     `run`'s scheduler (launchers/dask_mpi.py); `via` says what starts those ranks (auto: srun under SLURM,
     mpiexec elsewhere), and there the ranks do use MPI (`srun_args: [--mpi=pmix]` where SLURM has no default).
+
+    A node process that dies takes only its node's workers. `on_node_loss: continue` (default) goes on with
+    the other nodes, after starting the lost node's process again up to `node_restarts` times (srun: a new
+    step on that node); `stop` ends the run at once. Either way a run left with no node stops at once.
     """
 
     launch: Literal["auto", "srun", "mpiexec", "dask-mpi"] = "auto"
@@ -77,6 +81,8 @@ class MpiSettings(_Strict):
     mpiexec: str = "mpiexec"
     flavor: Literal["openmpi", "mpich"] = "openmpi"
     mpiexec_args: list[str] = Field(default_factory=list)
+    on_node_loss: Literal["continue", "stop"] = "continue"
+    node_restarts: int = Field(default=1, ge=0)  # per node; srun only (one step per node)
 
 
 class JobqueueSettings(_Strict):

@@ -290,7 +290,8 @@ class MpiLauncher(Launcher):
             if proc.returncode is not None and id(proc) not in self.reported:
                 self.reported.add(id(proc))
                 code = proc.returncode
-                why = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+                why = f"killed by signal {-code}" if code < 0 else f"exited with code {code}" + (
+                    f" (signal {code - 128})" if code > 128 else "")  # srun: 128 + the signal its task died of
                 lost.append((launch.nodes[0], f"its process (`{launch.argv[0]}` step) {why}"))
         return lost
 

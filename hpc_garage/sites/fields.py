@@ -67,6 +67,8 @@ SECTIONS: dict[str, dict[str, Any]] = {
                     "idle_timeout": 60,
                     "lifetime_margin": None,
                     "lifetime_stagger": None,
+                    "on_node_loss": "continue",
+                    "node_restarts": 1,
                     "death_timeout": 60,
                     "driver": "job",
                     "driver_cores": 1,
@@ -141,6 +143,8 @@ SECTIONS: dict[str, dict[str, Any]] = {
             {"name": "idle_timeout", "kind": "int", "default": 60, "convert": "walltime", "gt": 0},
             {
                 "name": "lifetime_margin",
+            {"name": "on_node_loss", "kind": "choice", "default": "continue", "choices": ["continue", "stop"]},
+            {"name": "node_restarts", "kind": "int", "default": 1, "ge": 0},
                 "kind": "int",
                 "optional": True,
                 "default": None,
