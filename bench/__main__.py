@@ -3,6 +3,7 @@
     python -m bench                 full: 5 runs each, writes bench/results/latest.{md,json} and the timeline
     python -m bench --quick         CI: tiny sizes, one run, into a temporary directory; asserts no timings
     python -m bench --only overhead,cli --runs 7 --out DIR
+    python -m bench --only scaling  registration at 2-16 fake nodes on a second local SLURM (not in --quick)
 
 Each benchmark runs in its own Python process (bench.startup, bench.overhead, bench.packing, bench.cli_speed),
 so one's imports, Prefect settings and clusters cannot colour another's figures. Needs the local SLURM up
@@ -24,7 +25,7 @@ from bench.common import PYTHON, ROOT, machine, say, slurm_problem
 from bench.report import write_reports
 
 RESULTS = Path(__file__).resolve().parent / "results"
-ORDER = ("cli", "overhead", "packing", "startup")
+ORDER = ("cli", "overhead", "packing", "startup", "scaling")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,7 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     sections: dict[str, Any] = {}
     failed = []
     for name in chosen:
-        if name in ("startup", "packing") and no_slurm:
+        if name == "scaling" and args.quick:
+            sections[name] = {"skipped": "not in --quick (it brings up a 16-node second local SLURM)"}
+            continue
+        if name in ("startup", "packing", "scaling") and no_slurm:
             sections[name] = {"skipped": no_slurm}
             say(f"{name}: skipped: {no_slurm}")
             continue
@@ -91,10 +95,13 @@ def _arguments(name: str, quick: bool, runs: int, out: Path) -> list[str]:
     if name == "cli":
         return base + (["--nodes", "64"] if quick else [])
     if name == "packing":
-        sizes = ["--gpu-trials", "8", "--cpu-trials", "2", "--seconds", "0.2"] if quick else []
+        # quick: not prefect-submitit (a Python 3.12 venv to build, and an interpreter start per trial)
+        sizes = ["--gpu-trials", "8", "--cpu-trials", "2", "--seconds", "0.2", "--layouts", "ours,guide,jobqueue"] if quick else []
         return base + sizes + ["--plot", str(out / "packing-timeline.png")]
     if name == "startup":
         return base + (["--nodes", "1"] if quick else [])
+    if name == "scaling":
+        return ["--runs", "1"]  # one job per size and mode: the sizes are the repeats the fit uses
     return base
 
 

@@ -8,6 +8,10 @@ Layouts (each on its own 2-node job(s), the sweep repeated `runs` times on the r
 - hpc-garage: `hpc-garage submit --site lab-gpu --nodes 2`: one worker per GPU, each pinned to its GPU.
 - the garage guide's: per node `dask worker --nworkers 4 --resources GPU=1` (the guide's `--nprocs 4`).
 - dask-jobqueue's default: one worker per job (per node), 8 threads, `--resources GPU=4`.
+- prefect-submitit (0.1.x), the Prefect 3 task runner for SLURM: its `srun` mode inside one `sbatch -N2` job,
+  every task an `srun --exact -n1 --gres gpu:1` step (a fresh Python per task); it needs Python >= 3.12, so it
+  runs in its own virtual environment (built once under the bench's cache with the same Prefect version);
+  one sweep (each costs 64 interpreter starts and Prefect imports on this host's 2 cores).
 The lower bound is max(GPU work / GPUs, all work / worker threads) + the aggregation, the longest chain
 being shorter here.
 """
@@ -15,21 +19,26 @@ being shorter here.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from bench.common import BIN, PYTHON, ROOT, SCRIPTS, Figure, Jobs, read_json_when_ready, say, scratch, wait_for_free_nodes
+from bench.common import (BENCH_TMP, BIN, PYTHON, ROOT, SCRIPTS, Figure, Jobs, read_json_when_ready, say, scratch,
+                          wait_for_free_nodes)
 
 OURS = "hpc-garage layout (lab-gpu, one pinned worker per GPU)"
 GUIDE = "garage guide: dask worker --nworkers 4 --resources GPU=1 per node"
 AGGREGATE = 0.1  # s: the aggregation task after the trials
 JOBQUEUE = "dask-jobqueue default: one worker per job, --resources GPU=4"
+SUBMITIT = "prefect-submitit SlurmTaskRunner(execution_mode='srun', gpus_per_node=1), one sbatch -N2 job"
+SUBMITIT_RUNS = 1  # sweeps at most: each starts a Python (and imports Prefect) per trial, ~2 min a sweep here
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--plot")
     parser.add_argument("--trials", help="also write every trial of every sweep here (JSON)")
-    parser.add_argument("--layouts", default="ours,guide,jobqueue")
+    parser.add_argument("--layouts", default="ours,guide,jobqueue,submitit")
     args = parser.parse_args(argv)
     sweep = ["--runs", str(args.runs), "--gpu-trials", str(args.gpu_trials), "--cpu-trials", str(args.cpu_trials),
              "--seconds", str(args.seconds), "--aggregate-seconds", str(AGGREGATE)]
@@ -49,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     layouts: dict[str, dict[str, Any]] = {}
     try:
         chosen = args.layouts.split(",")
-        for key, name, run in (("ours", OURS, _ours), ("guide", GUIDE, _guide), ("jobqueue", JOBQUEUE, _jobqueue)):
+        for key, name, run in (("ours", OURS, _ours), ("guide", GUIDE, _guide), ("jobqueue", JOBQUEUE, _jobqueue),
+                               ("submitit", SUBMITIT, _submitit)):
             if key not in chosen:
                 continue
             wait_for_free_nodes()
@@ -123,6 +133,55 @@ def _jobqueue(directory: Path, sweep: list[str], jobs: Jobs) -> dict[str, Any]:
 
 
 
+def _submitit(directory: Path, sweep: list[str], jobs: Jobs) -> dict[str, Any]:
+    from hpc_garage.prefect.server import ensure_api
+
+    python = submitit_python()
+    runs = min(int(sweep[sweep.index("--runs") + 1]), SUBMITIT_RUNS)
+    script = directory / "job.sh"
+    script.write_text(f"""#!/bin/bash
+#SBATCH --job-name=bench-submitit
+#SBATCH --partition=gpu
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=8
+#SBATCH --cpus-per-task=1
+#SBATCH --gres=gpu:4
+#SBATCH --mem=15000M
+#SBATCH --time=00:20:00
+#SBATCH --output={directory}/slurm-%j.out
+cd {directory}
+{python} {SCRIPTS / 'packing_submitit.py'} {directory}/out.json {' '.join(sweep)} --runs {runs} --log-folder {directory}/logs
+""")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | ensure_api()
+    job = jobs.sbatch(script, env=env)
+    result = read_json_when_ready(directory / "out.json", 900, alive=lambda: Jobs.queued(job))
+    jobs.end(job)
+    return result
+
+
+def submitit_python() -> str:
+    """A Python >= 3.12 with prefect-submitit 0.1.x and this Prefect version, in a virtual environment under
+    the bench's cache (made once): prefect-submitit requires 3.12, hpc-garage's own interpreter may be older."""
+    from importlib.metadata import version
+
+    if sys.version_info >= (3, 12) and importlib.util.find_spec("prefect_submitit"):
+        return PYTHON
+    venv = BENCH_TMP / "prefect-submitit-venv"
+    python = venv / "bin" / "python"
+    if python.exists() and subprocess.run([str(python), "-c", "import prefect_submitit"], capture_output=True).returncode == 0:
+        return str(python)
+    base = next((p for p in (shutil.which("python3.13"), shutil.which("python3.12")) if p), None)
+    if base is None:
+        raise RuntimeError("prefect-submitit needs Python >= 3.12 and none is on PATH (python3.12, python3.13)")
+    say(f"packing: building {venv} for prefect-submitit (once)")
+    subprocess.run([base, "-m", "venv", str(venv)], check=True, capture_output=True)
+    done = subprocess.run([str(python), "-m", "pip", "install", "-q", "prefect-submitit>=0.1,<0.2",
+                           f"prefect=={version('prefect')}"], capture_output=True, text=True, timeout=1200)
+    if done.returncode != 0:
+        raise RuntimeError(f"pip install prefect-submitit: {done.stderr.strip()[-300:]}")
+    return str(python)
+
+
 # ------------------------------------------------------------------------------------------- analysis
 
 
@@ -146,6 +205,23 @@ def gpu_overlaps(trials: list[dict[str, Any]]) -> tuple[int, int]:
             running += step
             most = max(most, running)
     return pairs, most
+
+
+def idle_per_trial(run: dict[str, Any], gpus: float) -> float:
+    """Per-task overhead: GPU-seconds no trial ran, from the sweep's start to its last trial's end, per trial
+    ((GPUs x that span - the time each GPU had a trial on it) / trials): the dispatch, start-up and result
+    round trips a runner adds between trials, whatever it is made of."""
+    lanes: dict[tuple[str, str], list[tuple[float, float]]] = defaultdict(list)
+    for t in run["trials"]:
+        lanes[(t["node"], t["gpu"] or "none")].append((t["start"], t["end"]))
+    busy = 0.0
+    for intervals in lanes.values():
+        edge = run["start"]
+        for s, e in sorted(intervals):
+            busy += max(0.0, e - max(s, edge))
+            edge = max(edge, e)
+    span = max(t["end"] for t in run["trials"]) - run["start"]
+    return (gpus * span - busy) / len(run["trials"])
 
 
 def placement(trials: list[dict[str, Any]]) -> dict[str, Any]:
@@ -189,7 +265,20 @@ def summarize(layouts: dict[str, dict[str, Any]], gpu_trials: int, cpu_trials: i
         spread = [placement(run["trials"]) for run in data["runs"]]
         fewest, most_trials = min(p["per_gpu"][0] for p in spread), max(p["per_gpu"][1] for p in spread)
         figure.note += f"; GPU trials per GPU {fewest}-{most_trials}"
+        overhead = statistics.median(idle_per_trial(run, shape["gpus"]) for run in data["runs"])
+        figure.note += (f"; per-task overhead {overhead:.2f} s (idle GPU-seconds between the sweep's start and its "
+                        f"last trial's end, per trial)")
+        seen = {t["visible"] for run in data["runs"] for t in run["trials"] if t["kind"] == "gpu"}
+        if any("," in (v or "") for v in seen):  # a trial saw several GPUs: CUDA would use the first
+            as_cuda = [{**t, "gpu": (t["visible"] or "").split(",")[0]} for run in data["runs"] for t in run["trials"]]
+            figure.note += (f"; GPU trials saw CUDA_VISIBLE_DEVICES {', '.join(sorted(seen))}: by the first id, which a "
+                            f"CUDA framework uses, {gpu_overlaps(as_cuda)[0]} overlapping pairs")
+        if name == SUBMITIT:
+            figure.note += (f"; every trial is an srun step holding 1 GPU (CPU trials too: one resource shape per runner "
+                            f"in srun mode), so its own bound is {lower_bound(gpu_trials + cpu_trials, 0, seconds, aggregate, shape['gpus'], shape['threads']):.2f} s; "
+                            f"{len(data['runs'])} sweeps")
         details[name] = {"lower_bound": bound, "overlapping_pairs": pairs, "most_at_once": most, **shape,
+                         "per_task_overhead_s": overhead,
                          "placement": spread}
     return {"figures": [f.to_dict() for f in figures], "layouts": details}
 

@@ -59,6 +59,19 @@ def _extra(name: str, section: dict[str, Any]) -> list[str]:
         if recorded:
             shown = ", ".join(f"{r['completed']}/{r['submitted']}" for r in recorded)
             out.append(f"- hpc-garage's task runs read back from Prefect's API as each flow returned, COMPLETED: {shown}")
+    if name == "scaling":
+        for mode, m in section.get("models", {}).items():
+            out.append(f"- {mode}: scheduler CPU per registered worker {m['cpu_per_worker_slope_s'] * 1000:.2f} ms (slope of "
+                       f"{m['points']} runs), first worker {m['first_worker_s']:.1f} s after the job started; model for "
+                       f"32,768 workers: {m['predicted_s']:.0f} s; workers registered by 180 s: {m['workers_by_180_s']:,.0f}")
+        for mode, runs in section.get("runs", {}).items():
+            for r in runs:
+                if "error" in r:
+                    out.append(f"- {mode}, {r['nodes']} nodes: failed: {r['error']}")
+                else:
+                    out.append(f"- {mode}, {r['nodes']} nodes x {r['workers'] // r['nodes']} workers: registered "
+                               f"{r['registered']:.1f} s, first worker {r['first_worker']:.1f} s, window {r['window']:.1f} s "
+                               f"using {r['window_cpu']:.2f} s of the scheduler's main thread, load {r['load']:.1f}")
     if name == "packing" and section.get("plot"):
         out.append(f"- per-GPU timeline of each layout's last sweep: `{section['plot']}`")
     if name == "cli" and section.get("json_bytes"):

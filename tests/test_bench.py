@@ -98,3 +98,21 @@ def test_quick_bench_runs_every_benchmark(tmp_path: Path) -> None:
     recorded = report["benchmarks"]["overhead"]["recorded_in_api"]
     assert recorded and all(r["completed"] == r["submitted"] for r in recorded)
     assert "| benchmark | who | median |" in (tmp_path / "latest.md").read_text()
+
+
+def test_per_task_overhead_is_idle_gpu_time_per_trial() -> None:
+    from bench.packing import idle_per_trial
+
+    run = {"start": 0.0, "trials": [trial("n1", "0", 1, 2), trial("n1", "0", 1.5, 3), trial("n1", "1", 0, 3)]}
+    # 2 GPUs x 3 s span = 6 GPU-s; busy: GPU 0 from 1 to 3 (overlap counted once), GPU 1 all 3 s -> 1 s idle / 3 trials
+    assert idle_per_trial(run, 2) == pytest.approx(1 / 3)
+
+
+def test_scaling_model_reads_the_probe_samples_and_fits_cpu_per_worker() -> None:
+    from bench.scaling import analyse, fit
+
+    samples = [[100.0, 1.0, 1.0, 0], [101.0, 1.5, 2.0, 1], [102.0, 1.8, 2.5, 3], [102.5, 2.0, 3.0, 4]]
+    one = analyse({"registered": 102.4, "samples": samples}, job_start=99.0, nodes=2, per_node=2)
+    assert one["first_worker"] == pytest.approx(2.0) and one["registered"] == pytest.approx(3.4)
+    assert one["window_cpu"] == pytest.approx(0.5) and one["cpu_per_worker"] == pytest.approx(0.5 / 3)
+    assert fit([(3, 0.5), (7, 0.9), (15, 1.7)]) == (pytest.approx(0.2), pytest.approx(0.1))
