@@ -17,6 +17,7 @@ import base64
 import json
 import os
 import re
+import shutil
 import subprocess
 import tempfile
 import threading
@@ -101,6 +102,10 @@ def run_pair(database: str, tasks: int, home: Path | None = None, timeout: float
     result["complete"] = all(f["state"] == "COMPLETED" and f["task_runs"].get("COMPLETED") == tasks
                              and sum(f["task_runs"].values()) == tasks for f in flows)
     subprocess.run([PYTHON, "-m", "hpc_garage", "server", "stop"], env=env, cwd=ROOT, capture_output=True)
+    if database == "postgresql" and os.geteuid() == 0:  # as root its data lives outside HOME, in /var/tmp
+        from hpc_garage.prefect.server import ManagedPostgres
+
+        shutil.rmtree(ManagedPostgres(Path(status["state_file"]).parent).base, ignore_errors=True)
     say(f"concurrent sweeps on {database}: {json.dumps({k: v for k, v in result.items() if k != 'flows'})}")
     return result
 

@@ -199,18 +199,21 @@ def database_choice(env: Mapping[str, str]) -> Database:
                     "in your state directory) or a URL postgresql+asyncpg://USER:PASSWORD@HOST/DATABASE")
 
 
+POSTGRES_TOOLS = ("initdb", "postgres", "pg_isready", "createdb")
+
+
 def postgres_bin() -> Path:
-    """The directory of `initdb` and `postgres`: on PATH, else Debian's /usr/lib/postgresql/<newest>/bin."""
-    found = [Path(p).parent for p in (shutil.which("initdb"), shutil.which("postgres")) if p]
-    if len(found) == 2 and found[0] == found[1]:
-        return found[0]
-    debian = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"),
-                    key=lambda p: int(p.parent.parent.name) if p.parent.parent.name.isdigit() else 0)
-    if debian:
-        return debian[-1].parent
-    raise UserError(f"{PREFECT_DATABASE}=postgresql: no initdb and postgres on PATH or in "
-                    "/usr/lib/postgresql/*/bin; install PostgreSQL (apt install postgresql, or the site's "
-                    "module), or give a postgresql+asyncpg:// URL, or unset it for SQLite")
+    """The directory holding initdb, postgres, pg_isready and createdb: initdb's on PATH (links followed, as
+    a site's module or /usr/local/bin may link only some), else Debian's /usr/lib/postgresql/<newest>/bin."""
+    candidates = [Path(found).resolve().parent] if (found := shutil.which("initdb")) else []
+    candidates += sorted((p.parent for p in Path("/usr/lib/postgresql").glob("*/bin/initdb")), reverse=True,
+                         key=lambda d: int(d.parent.name) if d.parent.name.isdigit() else 0)
+    for directory in candidates:
+        if all((directory / tool).exists() for tool in POSTGRES_TOOLS):
+            return directory
+    raise UserError(f"{PREFECT_DATABASE}=postgresql: no directory with {', '.join(POSTGRES_TOOLS)} (initdb's "
+                    "on PATH, /usr/lib/postgresql/*/bin); install PostgreSQL's server (apt install postgresql, "
+                    "or the site's module), or give a postgresql+asyncpg:// URL, or unset it for SQLite")
 
 
 class ManagedPostgres:
