@@ -247,8 +247,12 @@ SHOW_JSON_INDENT_MAX = 1024  # workers above which `show --json` prints compact 
 @click.option("--insecure", is_flag=True, help="Plain tcp instead of TLS with per-job certificates.")
 @click.option("--timeout", default="180", show_default=True, callback=lambda ctx, param, value: _seconds(value),
               help="Seconds to wait for every worker to register.")
+@click.option("--sweep", help="The sweep this run belongs to (default: named after the site and COMMAND).")
+@click.option("--resume", is_flag=True, help="Continue the sweep's latest epoch: finished trials are read back.")
+@click.option("--sweep-epoch", type=click.IntRange(min=1), hidden=True)  # job scripts that `submit` writes
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-def run(site_name: str | None, insecure: bool, timeout: float, command: tuple[str, ...]) -> None:
+def run(site_name: str | None, insecure: bool, timeout: float, sweep: str | None, resume: bool,
+        sweep_epoch: int | None, command: tuple[str, ...]) -> None:
     """Start a Dask cluster for this job, run COMMAND against it, tear it down.
 
     Inside a SLURM/PBS job the workers are MPI ranks across the allocation; elsewhere a local cluster shaped
@@ -262,7 +266,8 @@ def run(site_name: str | None, insecure: bool, timeout: float, command: tuple[st
     from hpc_garage.prefect.server import ensure_api
 
     site = site_for_run(site_name, os.environ)
-    sys.exit(run_cluster(site, list(command), insecure=insecure, timeout=timeout, api=lambda host: ensure_api(host=host)))
+    sys.exit(run_cluster(site, list(command), insecure=insecure, timeout=timeout, api=lambda host: ensure_api(host=host),
+                         sweep=sweep, sweep_epoch=sweep_epoch, resume=resume))
 
 
 # ------------------------------------------------------------------------------- submitting and following
@@ -310,24 +315,29 @@ def _submit_prepared(prepared: Any, dry_run: bool, wait: bool) -> None:
         click.echo(f"hpc-garage: site {prepared.site.name} runs its driver on the login node: "
                    f"hpc-garage run -- {spec.python} {spec.script}", err=True)
         sys.exit(run_cluster(prepared.site, [spec.python, spec.script, *spec.args],
-                             api=lambda host: ensure_api(host=host)))
+                             api=lambda host: ensure_api(host=host), sweep=spec.sweep, sweep_epoch=spec.sweep_epoch))
     from hpc_garage.schedulers import submission
 
     done = submission.submit(prepared)
     click.echo(f"submitted job {done.job_id} (site {prepared.site.name})")
     click.echo(f"log: {done.log}" + (f"  errors: {done.error_log}" if done.error_log else ""))
     if wait:
-        stdout = click.get_text_stream("stdout")
-        view = submission.find(done.job_id, str(prepared.site.path or prepared.site.name))
-        try:
-            line = submission.progress_line(stdout)
-            code = submission.wait(view, line, note=line.note)
-        except KeyboardInterrupt:
-            click.echo(f"\nstopped following job {done.job_id}; it goes on (hpc-garage status/cancel {done.job_id})")
-            sys.exit(130)
-        if stdout.isatty():
-            click.echo()
-        sys.exit(code)
+        _follow(submission, done.job_id, str(prepared.site.path or prepared.site.name))
+
+
+def _follow(submission: Any, job_id: str, site: str) -> None:
+    """`--wait`: follow the job, and the follow-up jobs that carry its sweep on, until the sweep ends."""
+    stdout = click.get_text_stream("stdout")
+    view = submission.find(job_id, site)
+    try:
+        line = submission.progress_line(stdout)
+        code = submission.wait(view, line, note=line.note)
+    except KeyboardInterrupt:
+        click.echo(f"\nstopped following job {view.job_id}; it goes on (hpc-garage status/cancel {view.job_id})")
+        sys.exit(130)
+    if stdout.isatty():
+        click.echo()
+    sys.exit(code)
 
 
 @cli.command(context_settings={"allow_interspersed_args": False})
@@ -341,17 +351,20 @@ def _submit_prepared(prepared: Any, dry_run: bool, wait: bool) -> None:
 @click.option("--qos", help="Quality of service (SLURM; default: the site's).")
 @click.option("--job-name", "-J", help="Job name: letters, digits, . _ + - (default: the script's name).")
 @click.option("--dry-run", is_flag=True, help="Print the job script; submit and create nothing.")
-@click.option("--wait", is_flag=True, help="Follow the job until it ends; exit with its exit code.")
+@click.option("--wait", is_flag=True, help="Follow the job (and its follow-up jobs) until the sweep ends; exit with its exit code.")
+@click.option("--sweep", help="The sweep this job belongs to (default: named after the site, script and arguments).")
+@click.option("--resume", is_flag=True, help="Continue the sweep's latest epoch: finished trials are read back, not run.")
 @click.argument("script")
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def submit(site_name: str, script: str, args: tuple[str, ...], dry_run: bool, wait: bool, **request: Any) -> None:
+def submit(site_name: str, script: str, args: tuple[str, ...], dry_run: bool, wait: bool, sweep: str | None,
+           resume: bool, **request: Any) -> None:
     """Submit SCRIPT [ARGS] as a batch job that starts Dask across its allocation and runs the script.
 
     The job runs `python -m hpc_garage run --site SITE -- python SCRIPT ARGS` from this directory.
     """
     from hpc_garage.schedulers.submission import prepare
 
-    _submit_prepared(prepare(site_name, script, args, _request(request)), dry_run, wait)
+    _submit_prepared(prepare(site_name, script, args, _request(request), sweep=sweep, resume=resume), dry_run, wait)
 
 
 @cli.command(
@@ -375,8 +388,24 @@ def sbatch(argv: tuple[str, ...]) -> None:
 
     call = parse(argv)
     site_name = site_for(call)
-    prepared = prepare(site_name, call.script, call.args, call.request(), output=call.output, error=call.error)
+    prepared = prepare(site_name, call.script, call.args, call.request(), output=call.output, error=call.error,
+                       sweep=call.sweep, resume=call.resume)
     _submit_prepared(prepared, call.dry_run, call.wait)
+
+
+@cli.command()
+@click.argument("target", metavar="SWEEP|JOBID")
+@click.option("--site", "site_name", help="Site whose results directory holds the sweep (default: every visible site's).")
+@click.option("--wait", is_flag=True, help="Follow the job (and its follow-up jobs) until the sweep ends.")
+def resume(target: str, site_name: str | None, wait: bool) -> None:
+    """Continue a sweep: submit its job script again; finished trials are read back, not run."""
+    from hpc_garage.schedulers import submission
+
+    book, done = submission.resume(target, site_name)
+    click.echo(f"resumed sweep {book.name} as job {done.job_id} (site {done.record['site']})")
+    click.echo(f"log: {done.log}" + (f"  errors: {done.error_log}" if done.error_log else ""))
+    if wait:
+        _follow(submission, done.job_id, done.record["site_file"])
 
 
 @cli.command()

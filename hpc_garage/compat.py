@@ -16,6 +16,7 @@ import asyncio
 import functools
 import importlib.metadata
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -118,6 +119,26 @@ def skip_forkserver_optional_preload() -> bool:
         return False
     distributed.utils._forkserver_preload_set = True
     return True
+
+
+@uses("distributed", "Scheduler.handle_worker_status_change / Scheduler.stream_comms / op worker-status-change")
+def pause_workers(scheduler: Any) -> int:
+    """Pause every running worker, as distributed does for memory pressure: a paused worker finishes the
+    tasks it is executing and starts no other, and the scheduler hands it none. (No public call pauses a
+    worker; retire_workers moves work elsewhere instead of stopping it, which is not what a job about to
+    end needs.) How many were paused."""
+    from distributed.core import Status
+
+    paused = 0
+    stimulus_id = f"hpc-garage-wind-down-{time.time()}"
+    for ws in list(scheduler.workers.values()):
+        if ws.status != Status.running:
+            continue
+        scheduler.handle_worker_status_change(Status.paused, ws, stimulus_id)
+        scheduler.stream_comms[ws.address].send(
+            {"op": "worker-status-change", "status": "paused", "stimulus_id": stimulus_id})
+        paused += 1
+    return paused
 
 
 @uses("distributed", "Scheduler._instances")
@@ -228,6 +249,16 @@ def has_deployment_context() -> bool:
 
 def has_context_vars(*kinds: Any) -> bool:
     return all(hasattr(kind, "__var__") for kind in kinds)
+
+
+@uses("prefect", "Task._user_cache_policy")
+def cache_policy_unset(task: Any) -> bool:
+    """Whether the task was given no cache policy (nor key function): Prefect then applies DEFAULT, which
+    keys on the flow run, and hpc-garage may key it on the sweep instead. (Task keeps only the resolved
+    policy in public; an explicit `cache_policy=DEFAULT` is the user's choice and stays.)"""
+    from prefect.utilities.annotations import NotSet
+
+    return task._user_cache_policy is NotSet and task.cache_key_fn is None
 
 
 @uses("prefect", "ContextModel.__var__")

@@ -6,4 +6,4 @@ ${ranks}
 cd ${workdir} || exit 1
 ${setup}
 PY=${python}
-exec "$$PY" -m hpc_garage run --site ${site} -- "$$PY" ${command}
+exec "$$PY" -m hpc_garage run --site ${site}${sweep} -- "$$PY" ${command}

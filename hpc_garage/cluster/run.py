@@ -32,6 +32,8 @@ from hpc_garage.files import write_private
 from hpc_garage.launchers.common import (Launcher, end_process, listening_host, scheduler_preload,
                                         security_from, worker_preload)
 from hpc_garage.core.layout import Layout, layout
+from hpc_garage.cluster.sweep import RunSweep, join_sweep
+from hpc_garage.cluster.wind_down import WindDown
 from hpc_garage.core.site import Site
 
 SITE_ENV = "HPC_GARAGE_SITE"
@@ -58,7 +60,8 @@ ApiForHost = Callable[[str], dict[str, str]]
 
 
 def run(site: Site, command: list[str], *, insecure: bool = False, timeout: float = 180,
-        env: Mapping[str, str] | None = None, api: ApiForHost | None = None) -> int:
+        env: Mapping[str, str] | None = None, api: ApiForHost | None = None, sweep: str | None = None,
+        sweep_epoch: int | None = None, resume: bool = False) -> int:
     """Run COMMAND against a cluster shaped by the site, in this job or here; COMMAND's exit code.
 
     `api(host)` gives the environment that points the flow and every worker at one Prefect API listening
@@ -104,28 +107,33 @@ def run(site: Site, command: list[str], *, insecure: bool = False, timeout: floa
         say(note)
     if insecure:
         say("--insecure: the cluster speaks plain tcp; anyone who can reach its ports can run code in it")
+    in_job = site.scheduler != "local" and in_batch_job(env)
+    swept = join_sweep(site, command, job_id, name=sweep, epoch=sweep_epoch, resume=resume, in_job=in_job)
+    say(f"sweep {swept.key} (results in {swept.results})")
     rundir = RunDir.for_job(site.run_directory, job_id).create()
+    ending = _wind_down(site, env, job_id, rundir) if in_job else None
     try:
-        return asyncio.run(_serve(site, layout_, launcher, rundir, job_id, command, env, insecure, timeout, api))
+        return asyncio.run(_serve(site, layout_, launcher, rundir, job_id, command, env, insecure, timeout, api,
+                                  swept, ending))
     finally:
         launcher.abandon()
 
 
 async def _serve(site: Site, layout_: Layout, launcher: Launcher, rundir: RunDir, job_id: str,
                  command: list[str], env: dict[str, str], insecure: bool, timeout: float,
-                 api: ApiForHost | None) -> int:
+                 api: ApiForHost | None, swept: RunSweep, ending: WindDown | None) -> int:
     """Start COMMAND, the workers and the scheduler at once (their imports overlap), publish the scheduler
     file once every worker has registered (COMMAND's task runner waits for it), end when COMMAND does."""
     logging.getLogger("distributed").setLevel(env["DASK_LOGGING__DISTRIBUTED"].upper())
     expected = [w.name for w in layout_.workers]
     state = RunState(rundir, len(expected))
-    state("starting", workers=0, job_id=job_id, site=site.name)
+    state("starting", workers=0, job_id=job_id, site=site.name, sweep=swept.key.name, epoch=swept.key.epoch)
     started = time.monotonic()
     tls = None if insecure else rundir.credential_paths()
     api_env = api(listening_host(launcher.scheduler_host)) if api is not None else {}
-    worker_env = {**site.env, **api_env, SITE_ENV: site.name,
+    worker_env = {**site.env, **api_env, **swept.env, SITE_ENV: site.name,
                   "DASK_LOGGING__DISTRIBUTED": env["DASK_LOGGING__DISTRIBUTED"]}
-    child_env = {**env, **api_env, SCHEDULER_FILE_ENV: str(rundir.scheduler_file), JOB_ID_ENV: job_id,
+    child_env = {**env, **api_env, **swept.env, SCHEDULER_FILE_ENV: str(rundir.scheduler_file), JOB_ID_ENV: job_id,
                  RUN_DIR_ENV: str(rundir.path), SITE_ENV: site.name, START_TIMEOUT_ENV: f"{timeout:g}",
                  **launcher.command_env}
     scheduler: Any = None
@@ -134,6 +142,9 @@ async def _serve(site: Site, layout_: Layout, launcher: Launcher, rundir: RunDir
     code: int | None = None
     proc: asyncio.subprocess.Process | None = None
     interrupted = _stop_on_signals()
+    if ending is not None:
+        ending.bind(lambda text: say(text), lambda **kw: state(kw.pop("phase", state.data["phase"]), **kw))
+        ending.install_signals()  # the batch system's warning: wind down now (preemption, the site's signal)
     nodes = NodeWatch()  # lost nodes, for the whole run (cluster/node_loss.py)
     try:
         await launcher.prepare(tls, worker_env, rundir, timeout)
@@ -162,7 +173,11 @@ async def _serve(site: Site, layout_: Layout, launcher: Launcher, rundir: RunDir
             rundir.publish(handoff)
             state("running", workers=len(expected))
             nodes.start(scheduler, launcher, layout_, lambda **kw: state(state.data["phase"], **kw), proc)
+            if ending is not None:
+                ending.start(scheduler, proc)
         code = nodes.exit_code(await _command_exit(proc))
+        if ending is not None:
+            code = ending.exit_code(code)
     except asyncio.CancelledError:
         if not interrupted:
             raise
@@ -172,6 +187,8 @@ async def _serve(site: Site, layout_: Layout, launcher: Launcher, rundir: RunDir
         if code is None and proc is not None:
             await _end_command(proc)
         nodes.cancel()
+        if ending is not None:
+            ending.cancel()
         launcher.draining()
         for name in ("scheduler.json", "dask-scheduler.json", "tls", "ranks.json"):
             target = rundir.path / name
@@ -187,6 +204,26 @@ async def _serve(site: Site, layout_: Layout, launcher: Launcher, rundir: RunDir
             await asyncio.get_running_loop().run_in_executor(None, preload.join, 60)
         state("done" if code is not None else "failed", exit_code=code)
     return code if code is not None else 128 + interrupted[0] if interrupted else 1
+
+
+def _wind_down(site: Site, env: Mapping[str, str], job_id: str, rundir: RunDir) -> WindDown:
+    """The watch on this job's end: its time left from the batch system; a follow-up job from its own
+    script (`submit` saved it) where the site says `requeue: auto`."""
+    from hpc_garage.schedulers import detect
+    from hpc_garage.schedulers.submission import resubmit
+
+    batch = detect(env, prefer=site.scheduler)
+    assert batch is not None
+    follow_up = None
+    if site.requeue == "auto" and (rundir.path / "job.sh").is_file():
+        def follow_up() -> str:
+            return resubmit(rundir.path, after=job_id, how="follow-up").job_id
+
+    def cancel(other: str) -> None:
+        with contextlib.suppress(Exception):
+            batch.run(batch.cancel_argv(other))
+
+    return WindDown(site, job_id, lambda: batch.time_left(job_id), follow_up, cancel)
 
 
 def _import_in_background(modules: list[str]) -> threading.Thread:

@@ -173,6 +173,10 @@ class Site(_Strict):
     interface: str | None = None
     local_directory: str | None = None
     run_directory: str = "~/.hpc-garage/runs"
+    results_directory: str | None = None  # sweeps' persisted results, on storage every node shares; default <run_directory>/sweeps
+    requeue: Literal["auto", "never"] = "never"  # auto: a sweep cut short by walltime or a warning signal continues in a follow-up job
+    walltime_margin: Seconds | None = None  # wind down this long before the job's end; default 5 % of its time limit, 30 s to 10 min
+    warning_signal: str | None = Field(None, pattern=r"^(USR1|USR2|URG|TERM)@[1-9][0-9]{0,5}$")  # SLURM: ask for SIG@SECONDS before the end
     setup: list[str] = Field(default_factory=list)
     directives: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)  # exported to the rank launcher and every worker
@@ -214,6 +218,9 @@ class Site(_Strict):
         if "via" in self.mpi.model_fields_set and self.mpi.launch != "dask-mpi":
             raise ValueError(f"mpi.via is read only with mpi.launch: dask-mpi, and launch is {self.mpi.launch!r}; "
                              "drop via or set launch: dask-mpi")
+        if self.warning_signal and self.scheduler != "slurm":
+            raise ValueError(f"warning_signal asks SLURM for a signal before the job's end, and scheduler is "
+                             f"{self.scheduler!r}; drop warning_signal (hpc-garage reads the walltime itself)")
         if self.scheduler != "slurm" and self.mpi.via == "srun":
             raise ValueError(f"mpi.via: srun needs SLURM, and scheduler is {self.scheduler!r}; use via: mpiexec or auto")
         if self.scheduler != "slurm" and self.mpi.launch == "srun":

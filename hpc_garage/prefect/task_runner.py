@@ -42,6 +42,7 @@ from hpc_garage.compat import dask_futures, runner_has_cluster, runner_started
 from hpc_garage.prefect import fast as prefect_fast
 from hpc_garage.core.errors import UserError
 from hpc_garage.cluster.handoff import handoff_from_env
+from hpc_garage.prefect.sweep_cache import SweepTasks
 from hpc_garage.prefect.tags import resources_from_tags
 
 if TYPE_CHECKING:
@@ -135,6 +136,7 @@ class HpcTaskRunner(DaskTaskRunner):
         self._placeable: set[frozenset[tuple[str, float]]] = set()  # resource sets some worker offers
         self._submitter: Any = None  # prefect_fast.Submitter, or False once the plain path was chosen
         self._finished: list[Any] = []  # ids of task runs whose dask future is done
+        self._sweep_tasks = SweepTasks()  # under `hpc-garage run`: trials cached across the sweep's jobs
 
     def __enter__(self) -> HpcTaskRunner:
         if not (self.address or runner_has_cluster(self)):
@@ -155,6 +157,7 @@ class HpcTaskRunner(DaskTaskRunner):
 
     def submit(self, task: Any, parameters: dict[str, Any], wait_for: Any = None,
                dependencies: Any = None) -> Any:  # map() submits through here too
+        task = self._sweep_tasks(task)
         resources = self._resources(task)
         with dask.annotate(resources=resources) if resources else contextlib.nullcontext():
             return self._submit(task, parameters, wait_for, dependencies)

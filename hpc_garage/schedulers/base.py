@@ -93,6 +93,21 @@ class BatchSystem:
     def cancel_argv(self, job_id: str) -> list[str]:
         raise NotImplementedError
 
+    # ---- the job's clock: `run` winds a sweep down before the batch system ends the job
+
+    def time_left(self, job_id: str) -> tuple[float, float] | None:
+        """(seconds left, time limit in seconds) of a running job, as the batch system sees it now; None
+        where it has no limit or will not say."""
+        return None
+
+    def follow_up_argv(self, script: Path, after_job_id: str | None, output: str) -> list[str]:
+        """Submit a saved `script` again, to start once job `after_job_id` has ended however it ended (None: now)."""
+        raise NotImplementedError
+
+    def restart_count(self, env: Mapping[str, str]) -> int:
+        """How often the batch system has requeued and restarted this job (0: its first start)."""
+        return 0
+
     def run_unless_gone(self, argv: Sequence[str], gone: Sequence[str]) -> str | None:
         """`run`, but None when the failure says the job is unknown (it left the queue, or never was)."""
         try:

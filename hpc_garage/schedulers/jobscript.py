@@ -57,11 +57,20 @@ class JobSpec:
     script: str  # absolute
     args: tuple[str, ...]
     ranks: str = ""  # `mpi: {launch: dask-mpi}`: the line `run` starts the worker ranks with, shown as a comment
+    sweep: str = ""  # the sweep this job works on (core/sweep.py), and its epoch
+    sweep_epoch: int = 0
+    warning_signal: str | None = None  # the site's SIG@SECONDS: the batch system warns the job before its end
+    requeue: bool = False  # the site's `requeue: auto`: the job may be requeued (preemption) and continued
+
+    @property
+    def sweep_args(self) -> list[str]:
+        return ["--sweep", self.sweep, "--sweep-epoch", str(self.sweep_epoch)] if self.sweep else []
 
     @property
     def command(self) -> list[str]:
         """What the job runs: `run` wrapping the user's script, with the same interpreter for both."""
-        return [self.python, "-m", "hpc_garage", "run", "--site", self.site, "--", self.python, self.script, *self.args]
+        return [self.python, "-m", "hpc_garage", "run", "--site", self.site, *self.sweep_args, "--", self.python,
+                self.script, *self.args]
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -82,6 +91,7 @@ def render(spec: JobSpec) -> str:
         setup="\n".join(_no_nul(line, "a setup line of the site") for line in spec.setup),
         python=shlex.quote(spec.python),
         site=shlex.quote(spec.site),
+        sweep="".join(f" {shlex.quote(word)}" for word in spec.sweep_args),
         command=shlex.join([spec.script, *(_no_nul(a, "an argument") for a in spec.args)]),
         ranks=_ranks_comment(spec.ranks),
     )
@@ -247,6 +257,8 @@ def _spec(
         gpu_type=gpu_type,
         memory=memory,
         walltime=walltime or site.walltime,
+        warning_signal=site.warning_signal,
+        requeue=site.requeue == "auto",
         queue=request.queue or site.queue,
         account=request.account or site.account,
         qos=request.qos or site.qos,

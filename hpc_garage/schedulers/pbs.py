@@ -98,6 +98,8 @@ class Pbs(BatchSystem):
             optional.append(f"-A {plain(spec.account, '--account')}")
         if spec.nodes > 1:
             optional.append("-l place=scatter")
+        if spec.requeue:
+            optional.append("-r y")
         return {
             "job_name": spec.job_name,
             "select": f"{spec.nodes}:{chunk}:mem={pbs_memory(spec.memory)}",
@@ -143,6 +145,20 @@ class Pbs(BatchSystem):
 
     def cancel_argv(self, job_id: str) -> list[str]:
         return ["qdel", job_id]
+
+    def time_left(self, job_id: str) -> tuple[float, float] | None:
+        """The walltime limit less the walltime used, from `qstat -f`."""
+        info = parse_qstat_f(_qstat_f(job_id))
+        try:
+            limit = parse_walltime(info["Resource_List.walltime"])
+            used = parse_walltime(info["resources_used.walltime"]) if info.get("resources_used.walltime") else 0
+        except (KeyError, UserError):
+            return None
+        return float(max(0, limit - used)), float(limit)
+
+    def follow_up_argv(self, script: Path, after_job_id: str | None, output: str) -> list[str]:
+        after = ["-W", f"depend=afterany:{after_job_id}"] if after_job_id else []
+        return ["qsub", *after, "-j", "oe", "-o", output, str(script)]
 
     def nodefile(self, env: Mapping[str, str]) -> str | None:
         return env.get("PBS_NODEFILE") or None

@@ -46,8 +46,9 @@ _VALUED = {
     "-e": "error", "--error": "error",
     "-q": "qos", "--qos": "qos",
     "--site": "site",
+    "--sweep": "sweep",
 }
-_FLAGS = {"--dry-run": "dry_run", "-W": "wait", "--wait": "wait", "--parsable": None}  # None: accepted, implied
+_FLAGS = {"--dry-run": "dry_run", "-W": "wait", "--wait": "wait", "--resume": "resume", "--parsable": None}  # None: accepted, implied
 _REFUSED = {
     "-n": "hpc-garage asks for --ntasks-per-node from the site's worker layout; drop -n/--ntasks",
     "--ntasks": "hpc-garage asks for --ntasks-per-node from the site's worker layout; drop -n/--ntasks",
@@ -108,6 +109,8 @@ class SbatchCall:
     passthrough: list[str] = field(default_factory=list)  # directive text, without `#SBATCH`
     dry_run: bool = False
     wait: bool = False
+    sweep: str | None = None  # hpc-garage's own: the sweep (core/sweep.py), and whether to resume it
+    resume: bool = False
 
     def request(self) -> Request:
         """What the options ask of the site (`submission.prepare`)."""
@@ -145,7 +148,7 @@ def parse(argv: Sequence[str]) -> SbatchCall:
     if not rest:
         raise UserError("no script given: hpc-garage sbatch [sbatch options] SCRIPT [ARGS]...")
     call = SbatchCall(script=rest[0], args=tuple(rest[1:]), passthrough=passthrough)
-    call.dry_run, call.wait = "dry_run" in flags, "wait" in flags
+    call.dry_run, call.wait, call.resume = "dry_run" in flags, "wait" in flags, "resume" in flags
     _model(call, values)
     return call
 
@@ -209,7 +212,7 @@ def _model(call: SbatchCall, v: dict[str, str]) -> None:
     from hpc_garage.core.units import parse_memory, parse_walltime
 
     call.site, call.account, call.qos, call.job_name = v.get("site"), v.get("account"), v.get("qos"), v.get("job_name")
-    call.output, call.error = v.get("output"), v.get("error")
+    call.output, call.error, call.sweep = v.get("output"), v.get("error"), v.get("sweep")
     if "partition" in v:
         if "," in v["partition"]:
             raise UserError(f"-p {v['partition']}: hpc-garage needs one partition (the site's node shape depends on it)")

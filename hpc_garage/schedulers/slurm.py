@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpc_garage.core.allocation import Allocation, NodeAllocation
-from hpc_garage.core.errors import AllocationError
+from hpc_garage.core.errors import AllocationError, UserError
 from hpc_garage.schedulers.base import (BatchSystem, JobStatus, WorkerJob, _int, fallback_memory, require, site_gpus,
                                         visible_gpus)
-from hpc_garage.core.units import format_walltime, mib
+from hpc_garage.core.units import format_walltime, mib, parse_walltime
 
 if TYPE_CHECKING:
     from hpc_garage.schedulers.jobscript import JobSpec
@@ -79,6 +79,10 @@ class Slurm(BatchSystem):
             optional.append(f"--gres={kind}:{spec.gpus_per_node}")
         if spec.error:
             optional.append(f"--error={path_value(spec.error, '--error', quote=True)}")
+        if spec.warning_signal:  # B: to the batch shell, which is `run` (exec): it winds the sweep down
+            optional.append(f"--signal=B:{plain(spec.warning_signal, 'warning_signal')}")
+        if spec.requeue:
+            optional.append("--requeue")
         return {
             "job_name": spec.job_name,
             "nodes": str(spec.nodes),
@@ -148,6 +152,24 @@ class Slurm(BatchSystem):
 
     def cancel_argv(self, job_id: str) -> list[str]:
         return ["scancel", job_id]
+
+    def time_left(self, job_id: str) -> tuple[float, float] | None:
+        """From squeue's %L (time left) and %l (limit): relative, so no clock or time zone is involved.
+        (SLURM_JOB_END_TIME exists from Slurm 23.02; squeue answers on every version.)"""
+        out = self.run_unless_gone(["squeue", "-h", "-j", job_id, "-o", "%L|%l"], _GONE) or ""
+        left, _, limit = out.strip().partition("|")
+        try:
+            return 0.0 if set(left) <= set("0:-") else float(parse_walltime(left)), float(parse_walltime(limit))
+        except (UserError, ValueError):
+            return None  # UNLIMITED, NOT_SET, INVALID: no end to wind down for
+
+    def follow_up_argv(self, script: Path, after_job_id: str | None, output: str) -> list[str]:
+        after = [f"--dependency=afterany:{after_job_id}"] if after_job_id else []
+        return ["sbatch", "--parsable", *after, str(script)]
+
+    def restart_count(self, env: Mapping[str, str]) -> int:
+        value = env.get("SLURM_RESTART_COUNT", "0")
+        return int(value) if value.isdigit() else 0
 
     def worker_job_options(self, job: WorkerJob) -> dict[str, Any]:
         from hpc_garage.schedulers.jobscript import plain

@@ -20,14 +20,16 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from hpc_garage.core.errors import UserError
 from hpc_garage.core.request import Request
+from hpc_garage.core.sweep import SweepKey
 from hpc_garage.files import run_dir as job_run_dir, run_root as expand_root, write_private
 from hpc_garage.schedulers.base import JOB_ID, BatchSystem, JobStatus
+from hpc_garage.sweeps import SweepBook, add_job, check_results_root, next_epoch, results_root
 
 if TYPE_CHECKING:
     from hpc_garage.schedulers.jobscript import JobSpec
@@ -61,6 +63,8 @@ class Prepared:
     layout: Layout
     script: str  # the job script's text
     root: Path  # the site's run root
+    sweep: SweepBook | None = None  # where the job's sweep keeps its results, and how it joins it
+    how: str = "submit"  # submit | resume
 
 
 def prepare(
@@ -73,8 +77,13 @@ def prepare(
     output: str | None = None,
     error: str | None = None,
     must_exist: bool = True,
+    sweep: str | None = None,
+    resume: bool = False,
 ) -> Prepared:
-    """Load the site, check the script and the request, render the job script. Reads, never writes."""
+    """Load the site, check the script, the request and the sweep, render the job script. Reads, never writes.
+
+    The job belongs to sweep `sweep` (default: derived from the site, the script and its arguments): a
+    fresh epoch of it, or with `resume` the latest one, whose finished trials the job reads back."""
     from hpc_garage.schedulers.jobscript import job_name_for, job_spec, render
     from hpc_garage.schedulers import get
     from hpc_garage.sites import load_site
@@ -97,7 +106,22 @@ def prepare(
     python = os.path.expanduser(site.python) if site.python else sys.executable
     spec, layout_ = job_spec(site, request, script=os.path.abspath(script_path), args=args, output=output,
                              error=error, workdir=workdir, python=python)
-    return Prepared(site=site, spec=spec, layout=layout_, script=render(spec), root=root)
+    book = sweep_book(site, sweep, os.path.abspath(script_path), args, workdir)
+    spec = replace(spec, sweep=book.name, sweep_epoch=next_epoch(book, resume, "--resume"))
+    return Prepared(site=site, spec=spec, layout=layout_, script=render(spec), root=root, sweep=book,
+                    how="resume" if resume else "submit")
+
+
+def sweep_book(site: Site, name: str | None, script: str, args: Sequence[str], cwd: str,
+               flag: str = "--sweep") -> SweepBook:
+    """The sweep a job or run belongs to, its results directory checked (a missing default one is made later)."""
+    from hpc_garage.core.sweep import check_name, derived_name
+
+    name = check_name(name, flag) if name is not None else derived_name(site.name, script, args, cwd)
+    root = results_root(site.results_directory, site.run_directory)
+    if site.results_directory:
+        check_results_root(root, given=True, where=f"{site.path or 'site ' + site.name}: results_directory")
+    return SweepBook(root, name)
 
 
 def _check_script(path: str) -> None:
@@ -140,42 +164,78 @@ def submit(prepared: Prepared) -> Submitted:
     from hpc_garage.schedulers import get
 
     spec, batch = prepared.spec, get(prepared.spec.scheduler)
+    record = {
+        "site": prepared.site.name,
+        "site_file": spec.site,
+        "scheduler": spec.scheduler,
+        "script": spec.script,
+        "args": list(spec.args),
+        "cwd": spec.workdir,
+        "job_name": spec.job_name,
+        "log": {"output": spec.output, "error": spec.error},
+        "request": {
+            k: getattr(spec, k)
+            for k in ("nodes", "tasks_per_node", "cpus_per_task", "gpus_per_node", "memory", "walltime", "queue")
+        },
+    }
+    if prepared.sweep is not None:
+        record["sweep"] = {"name": spec.sweep, "epoch": spec.sweep_epoch, "root": str(prepared.sweep.root)}
+    return _hand_over(batch, prepared.root, prepared.script, lambda temp: batch.submit_argv(temp, spec), record,
+                      prepared.how)
+
+
+def resubmit(previous: Path, *, after: str | None, how: str) -> Submitted:
+    """Submit a job's saved script again: same site, script, arguments, request and sweep epoch. `after`:
+    the new job starts once that job has ended, however it ended (a walltime follow-up); None: now (resume)."""
+    from hpc_garage.schedulers import get
+
+    record = _read_json(previous / SUBMIT_FILE)
+    if record is None or not (previous / SCRIPT_FILE).is_file():
+        raise UserError(f"{previous} holds no job script of hpc-garage's ({SCRIPT_FILE}, {SUBMIT_FILE}); "
+                        "submit the script again with `hpc-garage submit --resume`")
+    batch = get(record.get("scheduler", "slurm"))
+    output = record["log"]["output"]
+    if batch.name == "pbs" and Path(output).parent == previous.parent:  # PBS logs carry no job id: a new name
+        output = batch.default_output(previous.parent, record["job_name"])
+    record = {**record, "log": {**record["log"], "output": output}, "follows": record["job_id"]}
+    for stale in ("job_id", "submitted"):
+        record.pop(stale, None)
+    return _hand_over(batch, previous.parent, (previous / SCRIPT_FILE).read_text(),
+                      lambda temp: batch.follow_up_argv(temp, after, output), record, how)
+
+
+def _hand_over(batch: BatchSystem, root: Path, script: str, submit_argv: Callable[[Path], list[str]],
+               record: dict[str, Any], how: str) -> Submitted:
+    """Submit `script` from a private temporary file, then give the job its run directory (job.sh,
+    submit.json) and its place in its sweep; anything that fails undoes the rest, the job first."""
     undo: list[Callable[[], None]] = []
     try:
-        _make_dirs(prepared.root, undo)
-        fd, temp = tempfile.mkstemp(dir=prepared.root, prefix=".submit-", suffix=".sh")
+        _make_dirs(root, undo)
+        fd, temp = tempfile.mkstemp(dir=root, prefix=".submit-", suffix=".sh")
         undo.append(lambda: Path(temp).unlink(missing_ok=True))
         with os.fdopen(fd, "w") as f:
-            f.write(prepared.script)
-        job_id = batch.parse_job_id(batch.run(batch.submit_argv(Path(temp), spec)))
+            f.write(script)
+        job_id = batch.parse_job_id(batch.run(submit_argv(Path(temp))))
         # undone in reverse: the job is cancelled first, then its log and run directory go
-        run_dir = job_run_dir(prepared.root, job_id)
+        run_dir = job_run_dir(root, job_id)
         if not run_dir.exists():
             undo.append(lambda: shutil.rmtree(run_dir, ignore_errors=True))
-        log = batch.log_path(spec.output, job_id, spec.job_name)
-        error_log = batch.log_path(spec.error, job_id, spec.job_name) if spec.error else None
+        logs = record["log"]
+        log = batch.log_path(logs["output"], job_id, record["job_name"])
+        error_log = batch.log_path(logs["error"], job_id, record["job_name"]) if logs.get("error") else None
         new_logs = [Path(p) for p in (log, error_log) if p and not os.path.exists(p)]  # never a user's old file
         undo.append(lambda: [p.unlink(missing_ok=True) for p in new_logs])
         undo.append(lambda: _cancel_quietly(batch, job_id))
         run_dir.mkdir(mode=0o700, exist_ok=True)
         os.replace(temp, run_dir / SCRIPT_FILE)
-        record = {
-            "job_id": job_id,
-            "site": prepared.site.name,
-            "site_file": spec.site,
-            "scheduler": spec.scheduler,
-            "script": spec.script,
-            "args": list(spec.args),
-            "cwd": spec.workdir,
-            "job_name": spec.job_name,
-            "log": {"output": spec.output, "error": spec.error, "path": log, "error_path": error_log},
-            "submitted": time.time(),
-            "request": {
-                k: getattr(spec, k)
-                for k in ("nodes", "tasks_per_node", "cpus_per_task", "gpus_per_node", "memory", "walltime", "queue")
-            },
-        }
+        record = {"job_id": job_id, **record, "log": {**logs, "path": log, "error_path": error_log},
+                  "submitted": time.time()}
         write_private(run_dir / SUBMIT_FILE, json.dumps(record, indent=2))
+        if sweep := record.get("sweep"):
+            book = SweepBook(Path(sweep["root"]), sweep["name"])
+            check_results_root(book.root, given=False, where="results_directory")
+            add_job(book, SweepKey(book.name, sweep["epoch"]), job_id, how,
+                    {k: record[k] for k in ("site", "script", "args", "cwd")})
     except BaseException:
         for step in reversed(undo):
             try:
@@ -294,6 +354,50 @@ def run_roots() -> list[Path]:
         if root not in roots:
             roots.append(root)
     return roots
+
+
+def results_roots(site_name: str | None = None) -> list[Path]:
+    """Where sweeps are kept: the site's results root, or every visible site's (the default one first)."""
+    from hpc_garage.core.site import Site
+    from hpc_garage.sites import find_sites, load_site
+
+    if site_name:
+        site = load_site(site_name)
+        return [results_root(site.results_directory, site.run_directory)]
+    fields = Site.model_fields
+    roots = [results_root(fields["results_directory"].default, fields["run_directory"].default)]
+    for path in find_sites().values():
+        try:
+            site = load_site(path)
+        except UserError:
+            continue
+        if (root := results_root(site.results_directory, site.run_directory)) not in roots:
+            roots.append(root)
+    return roots
+
+
+def resume(target: str, site_name: str | None = None) -> tuple[SweepBook, Submitted]:
+    """Continue a sweep (by name, or by the id of one of its jobs): its latest job script, submitted again
+    in the same epoch, so finished trials are read back. Refused while a job of the sweep is still queued
+    or running (two jobs would run the same trials)."""
+    from hpc_garage.sweeps import find as find_sweep, jobs_of
+
+    book = find_sweep(target, results_roots(site_name))
+    record = book.read() or {}
+    jobs = [j["job_id"] for j in jobs_of(record)]
+    views = [find(job_id, site_name) for job_id in jobs]
+    for view in views:
+        refresh(view)
+        if view.status is not None and view.status.phase != "finished":
+            raise UserError(f"sweep {book.name} is still {view.status.phase} in job {view.job_id}; wait for it "
+                            f"(`hpc-garage status {view.job_id}`) or cancel it before resuming")
+    scripts = [v.run_dir for v in views if v.run_dir is not None and (v.run_dir / SCRIPT_FILE).is_file()]
+    if not scripts:
+        identity = record.get("identity") or {}
+        raise UserError(f"sweep {book.name} ran on this machine, not as a submitted job; continue it with "
+                        f"`hpc-garage run --site {identity.get('site', 'SITE')} --sweep {book.name} --resume -- "
+                        f"python {identity.get('script', 'SCRIPT')}`")
+    return book, resubmit(scripts[-1], after=None, how="resume")
 
 
 def records(roots: Sequence[Path] | None = None) -> Iterator[tuple[Path, dict[str, Any]]]:
@@ -423,10 +527,25 @@ def wait(view: JobView, report: Callable[[str], None], *, interval: float = 0.5,
             report(text)
             shown = text
         if view.finished:
-            code = view.exit_code
-            return 1 if code is None else code
+            follow_up = _follow_up(view)
+            if follow_up is None:
+                code = view.exit_code
+                return 1 if code is None else code
+            (note or report)(f"job {view.job_id}: the sweep continues in job {follow_up.job_id}")
+            view, shown, interval = follow_up, None, 0.5
+            continue
         time.sleep(interval)
         interval = min(limit, interval * 1.5)
+
+
+def _follow_up(view: JobView) -> JobView | None:
+    """The job that carries this ended job's sweep on (walltime, warning signal), if `run` submitted one."""
+    next_job = (view.state or {}).get("next_job")
+    if not isinstance(next_job, str) or view.run_dir is None:
+        return None
+    run_dir = view.run_dir.parent / check_job_id(next_job)
+    record = _read_json(run_dir / SUBMIT_FILE)
+    return JobView(job_id=next_job, record=record, run_dir=run_dir if record else None, batch=view.batch)
 
 
 @dataclass

@@ -1,0 +1,76 @@
+"""Trials cached across the jobs of one sweep, with Prefect's own result persistence and cache policies.
+
+Prefect's DEFAULT cache policy is task source + inputs + *flow run id*: a new job is a new flow run and
+misses every cached result, so a resumed sweep would run everything again. Under `hpc-garage run` (which
+exports the sweep and its results directory), a task that was given no cache policy of its own gets
+`TASK_SOURCE + INPUTS + SweepScope(sweep@epoch)` instead, and persists its result on the sweep's shared
+results directory; a finished trial is then read back, not run, by any later job of the same epoch, and by
+a Dask recomputation after a worker holding its result was lost.
+
+Honoured as Prefect defines them: `cache_policy=NO_CACHE` or `persist_result=False` (not cached),
+`refresh_cache=True` (run again, result replaced), a task's own `cache_policy`/`cache_key_fn` (kept; its
+result is still stored on the shared results directory unless it names a storage of its own). A task whose
+source changed misses the cache: TASK_SOURCE is part of the key.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from prefect.cache_policies import INPUTS, NO_CACHE, TASK_SOURCE, CachePolicy
+
+from hpc_garage.compat import cache_policy_unset
+from hpc_garage.variables import RESULTS_ENV, SWEEP_ENV
+
+__all__ = ["SweepScope", "SweepTasks", "sweep_policy"]
+
+
+@dataclass
+class SweepScope(CachePolicy):
+    """The part of a cache key that says which sweep (and epoch) a result belongs to."""
+
+    sweep: str = ""
+
+    def compute_key(self, task_ctx: Any, inputs: dict[str, Any], flow_parameters: dict[str, Any],
+                    **kwargs: Any) -> str | None:
+        return self.sweep or None
+
+
+def sweep_policy(sweep: str) -> CachePolicy:
+    return TASK_SOURCE + INPUTS + SweepScope(sweep=sweep)
+
+
+class SweepTasks:
+    """Gives each task the sweep's caching, once per task object (a flow submits one task many times)."""
+
+    def __init__(self, env: Mapping[str, str] | None = None) -> None:
+        env = os.environ if env is None else env
+        self.sweep = env.get(SWEEP_ENV) or None
+        self.storage = Path(env[RESULTS_ENV]) if self.sweep and env.get(RESULTS_ENV) else None
+        self._done: dict[int, tuple[Any, Any]] = {}  # id(task) -> (task, its sweep version)
+
+    def __call__(self, task: Any) -> Any:
+        if self.storage is None:
+            return task
+        known = self._done.get(id(task))
+        if known is not None and known[0] is task:
+            return known[1]
+        swept = self._swept(task)
+        self._done[id(task)] = (task, swept)
+        return swept
+
+    def _swept(self, task: Any) -> Any:
+        if task.persist_result is False or task.cache_policy in (None, NO_CACHE):
+            return task  # the task opted out (or Prefect's settings turned caching off)
+        options: dict[str, Any] = {}
+        if cache_policy_unset(task):
+            options["cache_policy"] = sweep_policy(str(self.sweep))
+        if task.result_storage is None:
+            options["result_storage"] = self.storage
+        if task.persist_result is None:
+            options["persist_result"] = True
+        return task.with_options(**options) if options else task

@@ -1,0 +1,149 @@
+"""Sweeps on disk: `<results root>/<sweep>/sweep.json` (what the sweep is, its epochs and their jobs) and
+`<results root>/<sweep>/<epoch>/`, where Prefect persists the epoch's finished trials.
+
+The results root is the site's `results_directory` (default `<run root>/sweeps`), on storage every node
+shares: trials finish on compute nodes, and a later job (a resume, a follow-up, a requeue) reads them back.
+sweep.json is changed under a lock, since a follow-up job and a `resume` may write it at the same time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hpc_garage.core.errors import UserError
+from hpc_garage.core.sweep import SweepKey, check_name
+from hpc_garage.files import run_root, write_private
+
+RECORD = "sweep.json"
+
+
+def results_root(results_directory: str | None, run_directory: str) -> Path:
+    """Where a site keeps its sweeps' results, as a path here."""
+    if results_directory:
+        return run_root(results_directory)
+    return run_root(run_directory) / "sweeps"
+
+
+def check_results_root(root: Path, *, given: bool, where: str) -> Path:
+    """The results root exists (the default one is created) and this user can write in it; else one line."""
+    if not root.exists():
+        if given:
+            raise UserError(f"{where}: {root} does not exist; create it on storage every node shares, or fix the key")
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if not root.is_dir():
+        raise UserError(f"{where}: {root} is not a directory; point it at a directory every node shares")
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise UserError(f"{where}: {root} is not writable by you; choose a directory you can write")
+    return root
+
+
+@dataclass(frozen=True)
+class SweepBook:
+    """One sweep's directory."""
+
+    root: Path
+    name: str
+
+    @property
+    def path(self) -> Path:
+        return self.root / self.name
+
+    def results(self, epoch: int) -> Path:
+        """Prefect's result storage for one epoch."""
+        return self.path / str(epoch)
+
+    def read(self) -> dict[str, Any] | None:
+        try:
+            data = json.loads((self.path / RECORD).read_text())
+        except (OSError, json.JSONDecodeError):
+            return None
+        return data if isinstance(data, dict) and data.get("name") == self.name else None
+
+    def update(self, change: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+        """Change sweep.json under the sweep's lock (created with the directory if need be)."""
+        self.path.mkdir(mode=0o700, exist_ok=True)
+        with _locked(self.path / ".lock"):
+            data = self.read() or {"name": self.name, "epochs": {}}
+            change(data)
+            write_private(self.path / RECORD, json.dumps(data, indent=1))
+        return data
+
+
+def latest_epoch(record: dict[str, Any] | None) -> int:
+    return max((int(e) for e in (record or {}).get("epochs", {})), default=0)
+
+
+def epoch_of_job(record: dict[str, Any] | None, job_id: str) -> int | None:
+    """The epoch a job already belongs to (a requeued job restarts with its id)."""
+    for epoch, entry in (record or {}).get("epochs", {}).items():
+        if any(j.get("job_id") == job_id for j in entry.get("jobs", [])):
+            return int(epoch)
+    return None
+
+
+def next_epoch(book: SweepBook, resume: bool, where: str) -> int:
+    """The epoch a new submission or run joins: the latest to resume it, else a fresh one."""
+    latest = latest_epoch(book.read())
+    if resume and latest == 0:
+        raise UserError(f"{where}: sweep {book.name!r} has not run yet, so there is nothing to resume; "
+                        "drop --resume to start it")
+    return latest if resume else latest + 1
+
+
+def add_job(book: SweepBook, key: SweepKey, job_id: str, how: str, identity: dict[str, Any]) -> dict[str, Any]:
+    """Record that `job_id` works on this epoch of the sweep (`how`: submit, run, resume, follow-up, requeue)."""
+
+    def change(data: dict[str, Any]) -> None:
+        data.setdefault("identity", identity)
+        entry = data.setdefault("epochs", {}).setdefault(str(key.epoch), {"started": time.time(), "jobs": []})
+        if not any(j.get("job_id") == job_id for j in entry["jobs"]):
+            entry["jobs"].append({"job_id": job_id, "how": how, "at": time.time()})
+
+    return book.update(change)
+
+
+def jobs_of(record: dict[str, Any], epoch: int | None = None) -> list[dict[str, Any]]:
+    """The jobs of one epoch (default: the latest), in the order they joined."""
+    epoch = latest_epoch(record) if epoch is None else epoch
+    return list(record.get("epochs", {}).get(str(epoch), {}).get("jobs", []))
+
+
+def find(name_or_job: str, roots: list[Path]) -> SweepBook:
+    """A sweep by its name, or by the id of one of its jobs (the newest such sweep)."""
+    if "/" not in name_or_job and ".." not in name_or_job:
+        for root in roots:
+            book = SweepBook(root, name_or_job)
+            if book.read() is not None:
+                return book
+    found = [(book, record) for book, record in all_sweeps(roots) if epoch_of_job(record, name_or_job) is not None]
+    if found:
+        return max(found, key=lambda f: max((j["at"] for j in jobs_of(f[1])), default=0))[0]
+    check_name(name_or_job, "sweep")
+    raise UserError(f"no sweep {name_or_job!r} and no job {name_or_job} of a sweep under "
+                    f"{', '.join(str(r) for r in roots)}; `hpc-garage status` lists jobs and their sweeps")
+
+
+def all_sweeps(roots: list[Path]) -> Iterator[tuple[SweepBook, dict[str, Any]]]:
+    for root in roots:
+        for file in sorted(root.glob(f"*/{RECORD}")) if root.is_dir() else []:
+            book = SweepBook(root, file.parent.name)
+            if (record := book.read()) is not None:
+                yield book, record
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
