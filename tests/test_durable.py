@@ -1,0 +1,166 @@
+"""Sweeps that outlive their job (issue 10), on the real local SLURM: cancelled and resumed, cut by walltime
+and carried on by a follow-up job, requeued, a worker killed mid-sweep. Trials are counted by the files each
+execution writes (tests/data/fault_sweep.py: `start-<i>-<pid>-<ns>`, `done-<i>-<pid>-<ns>`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import DATA, ROOT
+from tests.slurm_jobs import exit_code, wait_gone
+
+SWEEP = DATA / "fault_sweep.py"
+PY = sys.executable
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+
+def hpcg(args: list[str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "PBS_", "HPC_GARAGE"))}
+    return subprocess.run([PY, "-m", "hpc_garage", *args], capture_output=True, text=True, cwd=cwd, env=env,
+                          timeout=timeout)
+
+
+def site_file(tmp_path: Path, extra: str = "") -> Path:
+    """lab-gpu with its run and results directories in the test's own tmp dir."""
+    site = tmp_path / "lab-gpu-durable.yaml"
+    text = (ROOT / "site-configs" / "lab-gpu.yaml").read_text()
+    site.write_text(text + f"run_directory: {tmp_path / 'runs'}\n{extra}")
+    return site
+
+
+def submit(tmp_path: Path, site: Path, trials: int, duration: float, *extra: str) -> tuple[str, Path, Path]:
+    marks, out = tmp_path / "marks", tmp_path / "out.json"
+    done = hpcg(["submit", "--site", str(site), "--nodes", "2", "--gpus-per-node", "2", *extra, str(SWEEP),
+                 "--trials", str(trials), "--duration", str(duration), "--marks", str(marks), "--out", str(out)],
+                tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    job = re.search(r"submitted job (\S+)", done.stdout)
+    assert job, done.stdout
+    return job.group(1), marks, out
+
+
+def marks_of(marks: Path, prefix: str) -> list[tuple[int, int]]:
+    """(trial, pid) of every execution that reached `prefix` (start or done)."""
+    return [(int(p.name.split("-")[1]), int(p.name.split("-")[2])) for p in marks.glob(f"{prefix}-*")]
+
+
+def count(marks: Path, prefix: str) -> Counter[int]:
+    return Counter(i for i, _ in marks_of(marks, prefix))
+
+
+def wait_done(marks: Path, n: int, timeout: float = 120) -> set[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if marks.is_dir() and len(finished := set(count(marks, "done"))) >= n:
+            return finished
+        time.sleep(0.1)
+    raise AssertionError(f"fewer than {n} trials finished after {timeout} s")
+
+
+def check_result(out: Path, trials: int) -> None:
+    assert json.loads(out.read_text())["result"] == sum(i * i for i in range(trials))
+
+
+def sweep_record(tmp_path: Path) -> dict:
+    records = list((tmp_path / "runs" / "sweeps").glob("*/sweep.json"))
+    assert len(records) == 1, records
+    return json.loads(records[0].read_text())
+
+
+def test_cancel_then_resume_runs_no_finished_trial_again(tmp_path: Path) -> None:
+    trials = 16
+    site = site_file(tmp_path)
+    job, marks, out = submit(tmp_path, site, trials, 2.0, "--time", "10")
+    wait_done(marks, 5)
+    cancelled = hpcg(["cancel", job], tmp_path)
+    assert cancelled.returncode == 0, cancelled.stderr
+    wait_gone(job)
+    finished = set(count(marks, "done"))  # after the job is gone: nothing finishes any more
+    assert not out.exists()
+    resumed = hpcg(["resume", job, "--wait"], tmp_path, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert re.search(r"resumed sweep fault_sweep-\w+ as job \d+", resumed.stdout), resumed.stdout
+    check_result(out, trials)
+    starts = count(marks, "start")
+    again = {i: starts[i] - 1 for i in finished if starts[i] > 1}
+    assert not again, f"finished trials that ran again: {again}"
+    assert set(count(marks, "done")) == set(range(trials))
+    epochs = sweep_record(tmp_path)["epochs"]
+    assert list(epochs) == ["1"] and [j["how"] for j in epochs["1"]["jobs"]][:2] == ["submit", "resume"]
+
+
+def test_a_fresh_submit_of_the_same_sweep_runs_everything_again(tmp_path: Path) -> None:
+    """Only resume (and requeue, follow-up) read results back: submitting again is a new epoch."""
+    site = site_file(tmp_path)
+    for _ in range(2):
+        done = hpcg(["submit", "--site", str(site), "--wait", str(SWEEP), "--trials", "2", "--duration", "0.1",
+                     "--marks", str(tmp_path / "marks"), "--out", str(tmp_path / "out.json")], tmp_path, 300)
+        assert done.returncode == 0, done.stdout + done.stderr
+    assert count(tmp_path / "marks", "done") == {0: 2, 1: 2}
+    assert list(sweep_record(tmp_path)["epochs"]) == ["1", "2"]
+
+
+def test_walltime_ends_in_a_follow_up_job_and_the_sweep_completes_unattended(tmp_path: Path) -> None:
+    """--time 1 (60 s) for a sweep of about 70 s of trials on 4 GPUs: `run` winds down before the end,
+    submits a follow-up job, and `submit --wait` follows the sweep to its end; no trial runs twice."""
+    trials, duration = 48, 6.0
+    site = site_file(tmp_path, "requeue: auto\nwalltime_margin: 20\n")
+    done = hpcg(["submit", "--site", str(site), "--nodes", "2", "--gpus-per-node", "2", "--time", "1", "--wait",
+                 str(SWEEP), "--trials", str(trials), "--duration", str(duration), "--marks", str(tmp_path / "marks"),
+                 "--out", str(tmp_path / "out.json")], tmp_path, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert re.search(r"the sweep continues in job \d+", done.stdout), done.stdout
+    check_result(tmp_path / "out.json", trials)
+    starts, finishes = count(tmp_path / "marks", "start"), count(tmp_path / "marks", "done")
+    assert set(finishes) == set(range(trials))
+    assert max(starts.values()) == 1 and max(finishes.values()) == 1, (starts, finishes)
+    jobs = sweep_record(tmp_path)["epochs"]["1"]["jobs"]
+    assert len(jobs) >= 2 and {j["how"] for j in jobs[1:]} == {"follow-up"}, jobs
+
+
+def test_a_requeued_job_resumes_its_sweep(tmp_path: Path) -> None:
+    trials = 16
+    job, marks, out = submit(tmp_path, site_file(tmp_path), trials, 2.0, "--time", "10")
+    wait_done(marks, 5)
+    requeued = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+    assert requeued.returncode == 0, requeued.stderr
+    finished_then = set(count(marks, "done"))
+    deadline = time.monotonic() + 300
+    while not out.exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    final = wait_gone(job, 120)
+    assert "Restarts=1" in final and exit_code(final) == 0, final
+    check_result(out, trials)
+    starts = count(marks, "start")
+    # a trial that finished just as the requeue hit may not have stored its result: it may run once more
+    again = {i: starts[i] - 1 for i in finished_then if starts[i] > 1}
+    assert len(again) <= 1 and all(n == 1 for n in again.values()), f"finished trials that ran again: {again}"
+
+
+def test_a_worker_killed_mid_trial_loses_no_result_and_reruns_only_that_trial(tmp_path: Path) -> None:
+    trials = 16
+    job, marks, out = submit(tmp_path, site_file(tmp_path), trials, 3.0, "--time", "10")
+    wait_done(marks, 5)
+    running = {(i, pid) for i, pid in marks_of(marks, "start")} - set(marks_of(marks, "done"))
+    assert running, "no trial running"
+    victim, pid = sorted(running)[0]
+    finished_before = set(count(marks, "done"))
+    os.kill(pid, signal.SIGKILL)
+    final = wait_gone(job, 240)
+    assert exit_code(final) == 0, final
+    check_result(out, trials)
+    starts = count(marks, "start")
+    again = {i: starts[i] - 1 for i in finished_before if starts[i] > 1}
+    assert not again, f"finished trials that ran again after a worker was killed: {again}"
+    assert starts[victim] == 2, starts  # the interrupted trial ran once more
