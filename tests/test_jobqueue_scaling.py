@@ -24,8 +24,12 @@ from hpc_garage.launchers.jobqueue.scaling import (
     UNFINISHED,
     JobRecord,
     JobState,
+    DRAIN_SETTLE,
     ahead,
     change,
+    drain_window,
+    drained,
+    drains,
     expiring,
     gives_up,
     left_queue,
@@ -73,6 +77,35 @@ def test_a_running_job_turns_expiring_ahead_of_its_lifetime_not_before() -> None
         assert not expiring(rec, s, end, queue_wait=0.0)
 
 
+def test_a_job_stops_taking_tasks_a_drain_window_before_it_retires_and_is_replaced_before_that() -> None:
+    s = shape()
+    rec = running(started_at=100.0)
+    end = retires_at(rec, s, now=0.0)
+    window = drain_window(longest_task=20.0)
+    assert window == 1.5 * 20.0 + 5.0  # the longest task seen, with room to run long, plus a step's slack
+    assert not drains(rec, s, end - window - 1, window) and drains(rec, s, end - window, window)
+    rec.state = JobState.EXPIRING  # its replacement is there: it drains all the same
+    assert drains(rec, s, end - window, window)
+    for state in (JobState.DRAINING, JobState.RETIRING, JobState.PENDING):
+        rec.state = state
+        assert not drains(rec, s, end, window)
+    # the replacement is asked for ahead of the drain, by at least the pool's queue wait
+    assert ahead(s, queue_wait=30.0, window=200.0) == 230.0
+    # the run's end comes first: the job's own (shorter) life counts
+    rec.state = JobState.RUNNING
+    assert retires_at(rec, s, 0.0, life=300) == 100.0 + 300 - lifetime(s.site)[1]
+    assert drains(rec, s, 100.0 + 300 - lifetime(s.site)[1] - window, window, life=300)
+
+
+def test_a_draining_job_retires_once_its_heartbeats_say_none_of_its_tasks_executes() -> None:
+    rec = running(state=JobState.DRAINING, draining=50.0)
+    assert not drained(rec, 50.0 + DRAIN_SETTLE - 0.1, processing=[], executing=[])  # heartbeats not in yet
+    assert drained(rec, 50.0 + DRAIN_SETTLE, processing=[], executing=[])
+    assert not drained(rec, 60.0, processing=["trial-1"], executing=["trial-1"])  # still running: wait
+    assert drained(rec, 60.0, processing=["trial-2"], executing=["trial-1"])  # queued there, never started
+    assert not drained(running(), 60.0, processing=[], executing=[])  # not draining
+
+
 def test_a_started_job_whose_workers_are_gone_longer_than_gone_after_has_ended() -> None:
     rec = running(started_at=10.0)
     assert not workers_gone(rec, 10.0 + GONE_AFTER)  # a worker restarting, or a moment between two steps
@@ -104,14 +137,14 @@ def test_a_pool_stops_after_three_failures_in_a_row() -> None:
 
 def test_live_states_are_the_jobs_a_pool_counts_and_every_state_is_finished_or_not() -> None:
     assert LIVE == {JobState.SUBMITTING, JobState.PENDING, JobState.RUNNING}
-    assert LEAVING == {JobState.EXPIRING, JobState.RETIRING} and not LIVE & LEAVING
+    assert LEAVING == {JobState.EXPIRING, JobState.DRAINING, JobState.RETIRING} and not LIVE & LEAVING
     assert FINISHED | UNFINISHED == set(JobState) and not FINISHED & UNFINISHED
     assert UNFINISHED == LIVE | LEAVING
     records = [JobRecord(pool="a", name=f"a-{i}", state=state) for i, state in enumerate(JobState)]
     records.append(JobRecord(pool="b", name="b-0", state=JobState.RUNNING))
     assert [r.name for r in live_jobs(records, "a")] == ["a-0", "a-1", "a-2"]
     state = pool_state(records, "a", load=2.5)
-    assert (state.jobs, state.leaving, state.load) == (3, 2, 2.5)
+    assert (state.jobs, state.leaving, state.load) == (3, 3, 2.5)
 
 
 def test_at_the_end_of_the_run_a_job_is_retired_cancelled_or_left_as_it_was() -> None:

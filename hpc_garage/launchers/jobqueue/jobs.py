@@ -189,8 +189,9 @@ def worker_scripts(site: Site, *, run_root: Path | None = None) -> str:
 
 
 def worker_job_file(site: Site, pool: str, *, address: str, tls: dict[str, str] | None,
-                    worker_env: dict[str, str]) -> dict[str, Any]:
-    """What a worker job of `pool` reads at start-up: the site as written, the scheduler, TLS, environment."""
+                    worker_env: dict[str, str], end_time: float | None = None) -> dict[str, Any]:
+    """What a worker job of `pool` reads at start-up: the site as written, the scheduler, TLS, environment,
+    and when the run ends (epoch seconds; its workers are gone before then)."""
     pool_site = site.pool_sites()[pool]
     return {"site": site.raw, "pool": pool, "address": address, "tls": tls,
-            "env": {**worker_env, **pool_site.env}}
+            "env": {**worker_env, **pool_site.env}, "end_time": end_time}

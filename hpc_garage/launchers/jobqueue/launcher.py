@@ -8,6 +8,10 @@ applies the policy of `scaling`: `pool_targets` per pool, new jobs as work arriv
 expiring and ended ones replaced, never more than `max_jobs_in_queue`, and a pool whose jobs keep failing
 stopped rather than resubmitted forever. Tasks without resource tags get the UNTAGGED marker on the
 scheduler (a scheduler plugin), so they run only on pools that take them, whichever client submitted them.
+Workers are retired by this loop, not by Dask's `--lifetime` (see `scaling`): a job stops taking tasks a
+drain window before its end, and retires once none runs on it. The run's own end (`end_time`: the driver
+job's, or `--time` on the login node) bounds every worker job: their walltime and their workers' lifetime
+end before it, and no job is submitted that could not start a task before it.
 Teardown cancels every job this run submitted; `abandon()` does it once more, synchronously, if the event
 loop was cut short. Worker jobs of a run that was killed outright exit after `death_timeout`.
 """
@@ -22,6 +26,7 @@ import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Mapping
 from dataclasses import asdict, replace
 from typing import Any
 
@@ -32,11 +37,13 @@ from hpc_garage.core.pools import (
     POOL_RESOURCES_ENV,
     UNTAGGED,
     job_shapes,
+    lifetime,
     pool_offers,
     untagged_restrictions,
     worker_names,
 )
 from hpc_garage.core.site import Site
+from hpc_garage.core.units import format_walltime
 from hpc_garage.launchers.common import Launcher, security_from
 from hpc_garage.launchers.jobqueue.jobs import (
     LOG_DIR,
@@ -53,12 +60,16 @@ from hpc_garage.launchers.jobqueue.scaling import (
     LEFT_QUEUE,
     RETIRE_GRACE,
     STARTED,
+    TAKING,
     TO_REPLACE,
     WATCHED,
     JobRecord,
     JobState,
     PoolState,
     change,
+    drain_window,
+    drained,
+    drains,
     ended_as,
     expiring,
     gives_up,
@@ -115,11 +126,33 @@ def initial_workers(site: Site) -> list[str]:
     return names
 
 
+def run_end_time(site: Site, env: Mapping[str, str], walltime: int | None = None) -> float | None:
+    """When the run ends (epoch seconds), which its worker jobs must not outlive: `walltime` from now (`--time`
+    for a driver on the login node), else the end of the batch job `run` is in (its driver job), else None."""
+    from hpc_garage.schedulers import allocation_from_env, detect, job_id
+
+    if walltime is not None:
+        return time.time() + walltime
+    batch, job = detect(env, prefer=site.scheduler), job_id(env)
+    if batch is None or job is None:
+        return None
+    with contextlib.suppress(Exception):  # the environment's end time, where the batch system exports it
+        if (end := allocation_from_env(site, env).end_time) is not None:
+            return end
+    try:
+        left = batch.time_left(job)
+    except UserError as exc:
+        say(f"warning: the driver job's end is unknown ({exc}); worker jobs get the site's walltime")
+        return None
+    return time.time() + left[0] if left is not None else None
+
+
 class JobqueueLauncher(Launcher):
     """Worker jobs for every pool of a jobqueue site, attached to `run`'s scheduler, scaled by one loop."""
 
-    def __init__(self, site: Site, run_id: str) -> None:
+    def __init__(self, site: Site, run_id: str, end_time: float | None = None) -> None:
         self.site = site
+        self.end_time = end_time  # epoch seconds: when the run ends (its driver job's end, or --time)
         self.initial = set(initial_workers(site))  # failure() asks every 0.1 s while workers start
         self.run_id = run_id
         self.shapes = job_shapes(site)
@@ -159,7 +192,7 @@ class JobqueueLauncher(Launcher):
         for pool, shape in self.shapes.items():
             plan_file = rundir.path / f"{WORKER_FILE_PREFIX}{pool}.json"
             write_private(plan_file, json.dumps(worker_job_file(self.site, pool, address=address, tls=tls,
-                                                            worker_env=worker_env)))
+                                                            worker_env=worker_env, end_time=self.end_time)))
             kwargs = job_kwargs(shape, plan_file=str(plan_file), log_dir=str(logs),
                                 job_name=worker_job_name(pool, self.run_id))
             cluster = cluster_cls(asynchronous=True, name=pool, security=security, silence_logs=False, **kwargs)
@@ -252,12 +285,14 @@ class JobqueueLauncher(Launcher):
             return
         now = time.monotonic()
         self._observe(now)
+        await self._read_clocks(now)
         if now - self.last_poll >= POLL_EVERY:
             self.last_poll = now
             await self._poll_batch_system()
         for rec in [r for r in self.jobs.values() if r.state in TO_REPLACE and r.name in
                     self.clusters[r.pool].worker_spec]:
             await self.clusters[rec.pool].scale_down([rec.name])  # gone: out of the cluster's spec, so it is replaced
+        await self._retire_drained(now)
         await self._finish_retired(now)
         targets = pool_targets(list(self.shapes.values()), self._pool_states(), self.site.jobqueue.max_jobs_in_queue)
         for pool, cluster in self.clusters.items():
@@ -265,7 +300,7 @@ class JobqueueLauncher(Launcher):
             if pool in self.stopped_pools or self.draining_now:
                 continue
             more = change(targets[pool], len(live), self.shapes[pool].site.jobqueue.adaptive)
-            if more > 0:
+            if more > 0 and self._life_left(pool, time.time()) is not None:
                 await self._grow(pool, cluster, more)
             elif more < 0:
                 await self._shrink(pool, cluster, -more, now)
@@ -286,6 +321,9 @@ class JobqueueLauncher(Launcher):
                 rec.workers = len(present)
                 if rec.state == JobState.RETIRING:
                     continue
+                if present and rec.state == JobState.DRAINING:
+                    rec.last_seen = now
+                    continue
                 if present:
                     if rec.started is None:
                         rec.started, rec.started_at, rec.state, rec.busy = time.time(), now, JobState.RUNNING, now
@@ -293,11 +331,14 @@ class JobqueueLauncher(Launcher):
                         self.failed_in_row[pool] = 0
                         self.queue_wait[pool] = waited(rec)
                     rec.last_seen = now
-                    if expiring(rec, self.shapes[pool], now, self.queue_wait.get(pool, 0.0)):
+                    life, window = self._job_life(rec), self._drain_window()
+                    if expiring(rec, self.shapes[pool], now, self.queue_wait.get(pool, 0.0), window, life):
                         rec.state = JobState.EXPIRING  # its replacement is submitted now, so no gap opens
                         self._event("expiring", rec)
                     if any(ws.processing for ws in present):
                         rec.busy = now
+                    if drains(rec, self.shapes[pool], now, window, life):
+                        self._drain(rec, present, now, "lifetime")
                 elif workers_gone(rec, now):
                     rec.state, rec.finished = JobState.ENDED, time.time()  # retired (lifetime) or killed: replace it
                     self._event("ended", rec)
@@ -354,8 +395,13 @@ class JobqueueLauncher(Launcher):
         from distributed.core import Status
 
         new = []
+        walltime = self._life_left(pool, time.time())
         for _ in range(count):
             spec = cluster.new_worker_spec()
+            if walltime is not None and walltime < self.shapes[pool].walltime:  # the run ends first
+                minutes = max(60, walltime // 60 * 60)  # the batch system counts whole minutes
+                spec = {name: {**one, "options": {**one["options"], "walltime": format_walltime(minutes)}}
+                        for name, one in spec.items()}
             cluster.worker_spec.update(spec)
             new += list(spec)
         for name in new:
@@ -390,14 +436,41 @@ class JobqueueLauncher(Launcher):
                 rec.state, rec.finished = JobState.CANCELLED, time.time()
                 self._event("cancel", rec)
                 continue
-            names = worker_names(name, self._per_job(pool))
+            if rec.state in TAKING:
+                self._drain(rec, self._workers_of(rec), now, "idle")
+
+    def _drain(self, rec: JobRecord, present: list[Any], now: float, why: str) -> None:
+        """Its workers take no new tasks (the status `retire_workers` gives them, so the scheduler and the
+        worker agree at once); what runs there finishes; `_retire_drained` retires them after."""
+        from distributed.core import Status
+
+        stimulus_id = f"hpc-garage-drain-{time.time()}"
+        for ws in present:
+            self.scheduler.handle_worker_status_change(Status.closing_gracefully, ws, stimulus_id)
+            if (comm := self.scheduler.stream_comms.get(ws.address)) is not None:
+                comm.send({"op": "worker-status-change", "status": Status.closing_gracefully.name,
+                           "stimulus_id": stimulus_id})
+        rec.state, rec.draining = JobState.DRAINING, now
+        self._event(f"drain ({why})", rec)
+
+    async def _retire_drained(self, now: float) -> None:
+        """Retire the workers of drained jobs: nothing executes there, so nothing is rescheduled from a live
+        worker, and the results they hold are replicated to other workers before they close."""
+        for rec in [r for r in self.jobs.values() if r.state == JobState.DRAINING]:
+            present = self._workers_of(rec)
+            processing = [ts for ws in present for ts in ws.processing]
+            executing = [ts for ws in present for ts in ws.executing]
+            if present and not drained(rec, now, processing, executing):
+                continue
+            names = worker_names(rec.name, self._per_job(rec.pool))
             try:
                 retired = await asyncio.wait_for(self.scheduler.retire_workers(
-                    names=names, close_workers=True, remove=True, stimulus_id=f"hpc-garage-idle-{time.time()}"), 30)
+                    names=names, close_workers=True, remove=True, stimulus_id=f"hpc-garage-retire-{time.time()}"),
+                    30)
             except (asyncio.TimeoutError, OSError):
                 continue
-            if len(retired) < rec.workers:
-                continue  # data that no other worker can take: keep the job for now
+            if len(retired) < len(present):
+                continue  # data no other worker can take yet (its replacement is still queued): try again
             rec.state, rec.retiring = JobState.RETIRING, now
             self._event("retire", rec)
 
@@ -409,6 +482,51 @@ class JobqueueLauncher(Launcher):
             self._event("retired", rec)
 
     # ---- bookkeeping
+
+    def _workers_of(self, rec: JobRecord) -> list[Any]:
+        names = set(worker_names(rec.name, self._per_job(rec.pool)))
+        return [ws for ws in self.scheduler.workers.values() if ws.name in names]
+
+    def _drain_window(self) -> float:
+        """`drain_window` from the longest task seen: finished (per kind) or still executing."""
+        longest = max((tp.max_exec_time for tp in self.scheduler.task_prefixes.values()), default=0.0)
+        for ws in self.scheduler.workers.values():
+            longest = max(longest, *ws.executing.values(), 0.0)
+        return drain_window(longest)
+
+    def _life_left(self, pool: str, now: float) -> int | None:
+        """Seconds a job of `pool` submitted now may live: its walltime, or less when the run ends first;
+        None when the run ends too soon for a new job to start a task."""
+        walltime = self.shapes[pool].walltime
+        if self.end_time is None:
+            return walltime
+        left = int(self.end_time - now)
+        site = self.shapes[pool].site
+        if left - site.lifetime_margin - site.lifetime_stagger <= self._drain_window():
+            return None
+        return min(walltime, left)
+
+    async def _read_clocks(self, now: float) -> None:
+        """Ask the batch system once, when a job's workers have registered, how long it has left: its clock
+        started when the job did, not when its workers were up (seen here: 35 s apart on a busy machine)."""
+        from hpc_garage.schedulers import get
+
+        for rec in [r for r in self.jobs.values() if r.state in TAKING and r.ends_at is None and r.job_id]:
+            try:
+                left = await asyncio.to_thread(get(self.site.scheduler).time_left, rec.job_id)
+            except UserError:
+                left = None
+            # where it will not say: the pool's walltime from the first worker (what the worker assumes too)
+            rec.ends_at = now + left[0] if left is not None else (rec.started_at or now) + self.shapes[rec.pool].walltime
+
+    def _job_life(self, rec: JobRecord) -> int | None:
+        """The lifetime of a started job's workers, from the job's end and the run's, whichever comes first."""
+        if rec.started_at is None:
+            return None
+        ends = [rec.ends_at - rec.started_at] if rec.ends_at is not None else []
+        if self.end_time is not None and rec.started is not None:
+            ends.append(self.end_time - rec.started)
+        return lifetime(self.shapes[rec.pool].site, min(ends))[0] if ends else None
 
     def _live(self, pool: str) -> list[JobRecord]:
         return live_jobs(self.jobs.values(), pool)

@@ -5,10 +5,20 @@ the time in (`now`: monotonic seconds, as the records keep it), and applies what
 rule can be tested with plain numbers.
 
 A worker job moves SUBMITTING → PENDING (the batch system gave it an id) → RUNNING (a worker registered),
-then EXPIRING (its workers' lifetime is near: a replacement is submitted now, so no gap opens) or RETIRING
-(idle: its workers were told to leave). It finishes as ENDED (its workers are gone), RETIRED, CANCELLED, or
-FAILED (it left the queue before any worker registered, or was refused). A pool whose jobs keep failing is
-stopped rather than resubmitted forever.
+then EXPIRING (its workers' lifetime is near: a replacement is submitted now, so no gap opens), DRAINING (its
+workers take no new task, the ones running finish: see `drains`) and RETIRING (nothing runs there any more:
+its workers were retired, their results moved to other workers). An idle job drains and retires the same
+way. It finishes as ENDED (its workers are gone), RETIRED, CANCELLED, or FAILED (it left the queue before
+any worker registered, or was refused). A pool whose jobs keep failing is stopped rather than resubmitted
+forever.
+
+Why the launcher retires workers itself instead of Dask's `--lifetime`: a worker at the end of its lifetime
+runs `close_gracefully`, whose `retire_workers(remove=True)` hands its running tasks to other workers while
+its own thread still runs them (measured: two trials ran twice at once, on two GPUs), then is killed mid-task
+if the trial outlives it, and results that finished after the Active Memory Manager's last pass are lost
+with it (`RetireWorker.done`: "it's OK to lose them and just recompute them"). Here a worker first stops
+taking tasks, `drain_window` before its end (from how long tasks have run), and is retired only once none
+runs on it, so nothing is rescheduled from a live worker and every result it holds is replicated first.
 
 Placement across pools rests on Dask resources (see `hpc_garage.core.pools`): a task the cluster cannot place
 now counts towards the pool that should take it (`choose_pool`), in workers' worth (`task_weight`).
@@ -25,6 +35,9 @@ from hpc_garage.core.pools import UNTAGGED, JobShape, fits, lifetime, worker_nam
 
 GONE_AFTER = 5.0  # a started job whose workers have all been gone this long has ended
 RETIRE_GRACE = 3.0  # seconds a retired job gets to end by itself before it is cancelled
+DRAIN_FACTOR = 1.5  # a worker stops taking tasks this many longest mean task durations before its end
+DRAIN_SLACK = 5.0  # ... plus this (a round of scaling decisions, the last task's result moving off)
+DRAIN_SETTLE = 2.0  # seconds between telling workers to drain and trusting their heartbeats' executing tasks
 REPLACE_AHEAD = 60.0  # a job is replaced this long (or twice its queue wait) before its workers' lifetime ends
 FAILURES_BEFORE_GIVING_UP = 3  # worker jobs of a pool that end without a worker, in a row
 
@@ -39,6 +52,7 @@ class JobState(enum.StrEnum):
     PENDING = "pending"  # queued: it has a job id, no worker yet
     RUNNING = "running"  # a worker of it registered
     EXPIRING = "expiring"  # running, its replacement already submitted (lifetime nearly over)
+    DRAINING = "draining"  # its workers take no new tasks; the running ones finish, then it retires
     RETIRING = "retiring"  # idle: its workers were retired, the job ends by itself
     ENDED = "ended"  # its workers are gone (lifetime, walltime, killed) or it left the queue after starting
     RETIRED = "retired"  # retired and out of the queue
@@ -53,11 +67,14 @@ UNFINISHED: frozenset[JobState] = frozenset(JobState) - FINISHED
 # one of its pool's jobs, as `pool_targets` counts them
 LIVE: frozenset[JobState] = frozenset({JobState.SUBMITTING, JobState.PENDING, JobState.RUNNING})
 # on its way out, still in the queue: counts against the queue caps only
-LEAVING: frozenset[JobState] = frozenset({JobState.EXPIRING, JobState.RETIRING})
+LEAVING: frozenset[JobState] = frozenset({JobState.EXPIRING, JobState.DRAINING, JobState.RETIRING})
 # has a job id and workers to come or at work: the batch system is asked about it, its tasks are its pool's load
-WATCHED: frozenset[JobState] = frozenset({JobState.PENDING, JobState.RUNNING, JobState.EXPIRING})
+WATCHED: frozenset[JobState] = frozenset({JobState.PENDING, JobState.RUNNING, JobState.EXPIRING, JobState.DRAINING})
 # started: ends by itself once its workers leave, so the end of the run waits a moment for it
-STARTED: frozenset[JobState] = frozenset({JobState.RUNNING, JobState.EXPIRING, JobState.RETIRING})
+STARTED: frozenset[JobState] = frozenset({JobState.RUNNING, JobState.EXPIRING, JobState.DRAINING,
+                                          JobState.RETIRING})
+# still takes tasks: may be told to drain (lifetime nearly over, or idle)
+TAKING: frozenset[JobState] = frozenset({JobState.RUNNING, JobState.EXPIRING})
 # ended without being asked: taken out of its cluster's spec, so a new job takes its place
 TO_REPLACE: frozenset[JobState] = frozenset({JobState.ENDED, JobState.FAILED})
 # known to be out of the batch queue: nothing left to cancel
@@ -80,25 +97,51 @@ class JobRecord:
     busy: float | None = None  # monotonic: a worker of it last had tasks (idle since start counts from start)
     retiring: float | None = None  # monotonic: its workers were retired (idle), the job is ending
     started_at: float | None = None  # monotonic twin of `started`
+    draining: float | None = None  # monotonic: its workers were told to take no new tasks
+    ends_at: float | None = None  # monotonic: when the batch system ends it (asked once it started)
     workers: int = 0  # registered now
 
 
-def retires_at(rec: JobRecord, shape: JobShape, now: float) -> float:
-    """When the first worker of a job may retire (monotonic), from its pool's lifetime (`now` if not started)."""
-    life, stagger = lifetime(shape.site)
-    return (rec.started_at or now) + life - stagger
+def retires_at(rec: JobRecord, shape: JobShape, now: float, life: int | None = None) -> float:
+    """When the first worker of a job may retire (monotonic), from its pool's lifetime (`now` if not started).
+    `life`: the job's own lifetime when shorter than the pool's (the run's end comes first)."""
+    pool_life, stagger = lifetime(shape.site)
+    return (rec.started_at or now) + min(pool_life, life if life is not None else pool_life) - stagger
 
 
-def ahead(shape: JobShape, queue_wait: float) -> float:
+def drain_window(longest_task: float) -> float:
+    """How long before its workers retire a job stops taking tasks: long enough for the longest kind of task
+    seen so far (mean duration) to finish, with DRAIN_FACTOR for tasks that run long and DRAIN_SLACK."""
+    return DRAIN_FACTOR * max(0.0, longest_task) + DRAIN_SLACK
+
+
+def ahead(shape: JobShape, queue_wait: float, window: float = 0.0) -> float:
     """How long before its workers retire a job is replaced: REPLACE_AHEAD, or twice the pool's last queue
-    wait if longer (the replacement must have started by then), but never more than half the lifetime."""
+    wait if longer (the replacement must have started by then), and before the job drains (`window`), but
+    never more than half the lifetime."""
     life, _ = lifetime(shape.site)
-    return min(max(REPLACE_AHEAD, 2 * queue_wait), life / 2)
+    return min(max(REPLACE_AHEAD, 2 * queue_wait, window + queue_wait), life / 2)
 
 
-def expiring(rec: JobRecord, shape: JobShape, now: float, queue_wait: float) -> bool:
+def expiring(rec: JobRecord, shape: JobShape, now: float, queue_wait: float, window: float = 0.0,
+             life: int | None = None) -> bool:
     """Whether a running job is now to be replaced, before its workers' lifetime ends."""
-    return rec.state == JobState.RUNNING and now >= retires_at(rec, shape, now) - ahead(shape, queue_wait)
+    return rec.state == JobState.RUNNING and now >= retires_at(rec, shape, now, life) - ahead(shape, queue_wait,
+                                                                                              window)
+
+
+def drains(rec: JobRecord, shape: JobShape, now: float, window: float, life: int | None = None) -> bool:
+    """Whether a job that takes tasks stops now: what starts later might not finish before its end."""
+    return rec.state in TAKING and now >= retires_at(rec, shape, now, life) - window
+
+
+def drained(rec: JobRecord, now: float, processing: Iterable[object], executing: Iterable[object]) -> bool:
+    """Whether a draining job's workers can be retired: told DRAIN_SETTLE ago (their heartbeats have said
+    since what they execute), and no task of theirs executes. A task processing there but not executing
+    never starts on a draining worker: it moves to another worker when they retire, having never run."""
+    running = set(executing)
+    return (rec.state == JobState.DRAINING and now - (rec.draining or now) >= DRAIN_SETTLE
+            and not any(task in running for task in processing))
 
 
 def waited(rec: JobRecord) -> float:
@@ -123,7 +166,7 @@ def left_queue(rec: JobRecord) -> JobState | None:
     ENDED if its workers are gone too; None while its workers are still registered (they end it when they go)."""
     if rec.started is None:
         return JobState.FAILED
-    if rec.state in (JobState.RUNNING, JobState.EXPIRING) and rec.workers == 0:
+    if rec.state in (JobState.RUNNING, JobState.EXPIRING, JobState.DRAINING) and rec.workers == 0:
         return JobState.ENDED
     return None
 

@@ -7,15 +7,22 @@ dask-jobqueue runs this as the job's command (its `worker_command`):
 Its `--nthreads`/`--memory-limit`/`--nworkers` would give every process the same share and the same GPUs;
 here they are ignored. The job reads what it was actually given (`Allocation.from_env`: cores, memory and
 the GPU ids *this job* sees), lays it out with the pool's site exactly as `show` does, and starts one Nanny
-per WorkerSpec: its own CUDA_VISIBLE_DEVICES, OMP_NUM_THREADS, threads, memory limit and resources, the
-run's TLS credentials and Prefect API, and a `--lifetime` that ends before the job's walltime does. The
-workers are named `<job>-<k>` (or `<job>` alone), as dask-jobqueue's SpecCluster expects for its job.
+per WorkerSpec: its own CUDA_VISIBLE_DEVICES, OMP_NUM_THREADS, threads, memory limit and resources, and the
+run's TLS credentials and Prefect API. The workers are named `<job>-<k>` (or `<job>` alone), as
+dask-jobqueue's SpecCluster expects for its job.
+
+The launcher retires these workers before the job's end (see `scaling`); Dask's `--lifetime` is not used (it
+reschedules a task its worker still runs). What is left here is the last resort, for a launcher that could
+not retire them in time (a task far longer than any before it, a lost driver): half the lifetime margin before
+the job's end, or the run's, and on scancel/qdel/walltime signals, each worker *process* is killed first and
+only then its nanny closed, so the scheduler moves a task away only once nothing runs it any more.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -78,6 +85,19 @@ def job_workers(shape: JobShape, job_name: str, allocation: Allocation, env: Map
     return workers, notes
 
 
+def job_end(site: Site) -> float | None:
+    """When the batch system ends this job (epoch seconds), asked once: the job's clock started before its
+    workers did (seconds, or tens of seconds on a busy node); None where it will not say."""
+    from hpc_garage.schedulers import detect, job_id
+
+    batch, job = detect(os.environ, prefer=site.scheduler), job_id(os.environ)
+    try:
+        left = batch.time_left(job) if batch is not None and job is not None else None
+    except UserError:
+        return None
+    return time.time() + left[0] if left is not None else None
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m hpc_garage.launchers.jobqueue.worker")
     parser.add_argument("address")
@@ -99,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     shape = job_shapes(site)[data["pool"]]
     allocation = allocation_from_env(shape.site)
     workers, notes = job_workers(shape, args.name, allocation, os.environ, bind=True)
-    remaining = allocation.end_time - time.time() if allocation.end_time else None
+    ends = [t for t in (allocation.end_time or job_end(shape.site), data.get("end_time")) if t]
+    remaining = min(ends) - time.time() if ends else None
     life, stagger = lifetime(shape.site, remaining)
     os.environ.update(data["env"])  # the run's worker environment (Prefect API, logging) for every process here
     for note in notes:
@@ -123,20 +144,24 @@ async def _serve(data: dict[str, Any], shape: JobShape, workers: list[JobWorker]
         Nanny(data["address"], name=w.name, nthreads=w.spec.nthreads, memory_limit=w.spec.memory_limit,
               resources=w.resources, env={**data["env"], **w.env}, security=security,
               protocol="tls" if security else "tcp", local_directory=local_directory(site.local_directory),
-              death_timeout=args.death_timeout, lifetime=f"{life}s", lifetime_stagger=f"{stagger}s",
-              lifetime_restart=False, **where)
+              death_timeout=args.death_timeout, **where)
         for w in workers
     ]
     loop = asyncio.get_running_loop()
     stopping: list[int] = []
 
-    def stop(sig: int) -> None:  # scancel/qdel, or the walltime: leave cleanly, the scheduler moves the data
+    def stop(sig: int) -> None:  # scancel/qdel, or the walltime
         stopping.append(sig)
-        for n in nannies:
-            asyncio.ensure_future(n.close(timeout=10, reason=f"worker job got signal {sig}"))
+        end_workers(nannies, f"worker job got signal {sig}")
+
+    def last_resort() -> None:
+        _say(f"the job's end is {site.lifetime_margin // 2} s away and its workers were not retired: stopping them "
+             "(a task still running runs again elsewhere)")
+        end_workers(nannies, "job's end")
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop, sig)
+    loop.call_later(life + stagger + site.lifetime_margin // 2, last_resort)
     node = node_name(os.environ)
     await asyncio.gather(*(n.start() for n in nannies))
     for w in workers:
@@ -147,6 +172,19 @@ async def _serve(data: dict[str, Any], shape: JobShape, workers: list[JobWorker]
              f"{cores}; retires after {format_walltime(life)} ± {stagger} s")
     await asyncio.gather(*(n.finished() for n in nannies))
     return 0 if not stopping else 128 + stopping[0]
+
+
+def end_workers(nannies: list[Any], reason: str) -> None:
+    """Kill each worker process, then close its nanny: the scheduler hears the worker is gone only once its
+    task no longer runs (a worker that closes itself waits for its task thread while the scheduler has already
+    handed the task to another worker: two runs at once)."""
+    for n in nannies:
+        process = getattr(n.process, "process", None)
+        pid = getattr(process, "pid", None)
+        if pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        asyncio.ensure_future(n.close(timeout=10, reason=reason))
 
 
 def _say(message: str) -> None:

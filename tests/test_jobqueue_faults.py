@@ -1,0 +1,162 @@
+"""The jobqueue launcher when worker jobs end mid-sweep, on the real local SLURM: workers whose jobs reach the
+end of their lifetime are drained and retired (no trial killed, none run twice, none run on two workers at
+once, no finished result lost with its worker); a worker job scancelled mid-trial runs that trial again
+once, elsewhere; `--time` bounds the worker jobs too. Each trial execution leaves its own file (worker, job,
+start, end), so executions are counted, not inferred from the results."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from tests.test_jobqueue_slurm import clean_env, in_queue, run_dir_of, worker_jobs
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+PY = sys.executable
+LAB = {"scheduler": "slurm", "launcher": "jobqueue", "queue": "gpu", "interface": "lo",
+       "node": {"cores": 8, "memory": "15GiB", "gpus": 4}, "workers": {"per": "gpu", "reserve_memory": "512MiB"}}
+
+# Submits GPU trials through plain Dask and records, per trial, when its result reached the client. Each
+# execution writes <marks>/<trial>-<ns>.json at its start, rewrites it every 0.25 s, and with its end when done.
+TRIALS = '''
+import json, os, sys, time
+from pathlib import Path
+import dask
+from distributed import Client, as_completed, get_worker
+from hpc_garage.cluster.handoff import handoff_from_env
+
+def trial(i, duration, marks):
+    mark = Path(marks, f"{i}-{time.time_ns()}.json")
+    def write(record):  # whole or not at all: the test reads these while trials run
+        Path(f"{mark}.tmp").write_text(json.dumps(record))
+        os.replace(f"{mark}.tmp", mark)
+    record = {"trial": i, "worker": get_worker().name, "job": os.environ.get("SLURM_JOB_ID"), "start": time.time()}
+    while time.time() < record["start"] + duration:  # alive: a run killed mid-way ended within 0.25 s of it
+        write(record | {"alive": time.time()})
+        time.sleep(0.25)
+    write(record | {"alive": time.time(), "end": time.time()})
+    return i * i
+
+out, marks, count, duration, keep = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), sys.argv[5]
+h = handoff_from_env()
+reported = {}
+with Client(h.address, security=h.security(), timeout=30) as client:
+    with dask.annotate(resources={"GPU": 1}):
+        futures = {client.submit(trial, i, duration, marks, pure=False): i for i in range(count)}
+    held, total = [], 0
+    for future in as_completed(list(futures)):
+        i = futures.pop(future)  # the flow holds only what it keeps (keep), not every future it was given
+        total += future.result()
+        reported[i] = time.time()
+        if keep == "keep":
+            held.append(future)  # the flow still holds it: a result lost with its worker would be recomputed
+    assert sum(client.gather(held)) == (total if keep == "keep" else 0)
+    del futures, future, held
+Path(out).write_text(json.dumps({"reported": reported, "sum": total}))
+'''
+
+
+def write_site(directory: Path, name: str, walltime: str, **jobqueue: object) -> dict[str, str]:
+    directory.mkdir(exist_ok=True)
+    site = {**LAB, "walltime": walltime, "jobqueue": {"gpus_per_job": 1, **jobqueue}}
+    (directory / f"{name}.yaml").write_text(json.dumps(site))
+    return clean_env(HPC_GARAGE_SITES_PATH=str(directory))
+
+
+def executions(marks: Path) -> dict[int, list[dict]]:
+    """Every execution of every trial, in start order."""
+    runs: dict[int, list[dict]] = defaultdict(list)
+    for path in marks.glob("*.json"):
+        record = json.loads(path.read_text())
+        runs[record["trial"]].append(record)
+    return {i: sorted(r, key=lambda x: x["start"]) for i, r in runs.items()}
+
+
+def overlapping(runs: list[dict]) -> bool:
+    """Whether two executions of one trial ran at the same time (one killed mid-run ran until its last sign
+    of life, at most 0.25 s before it was killed)."""
+    spans = [(r["start"], r.get("end", r["alive"] + 0.25)) for r in runs]
+    return any(b_start < a_end for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+
+
+def start_trials(tmp_path: Path, site: str, env: dict[str, str], count: int, duration: float,
+                 keep: str) -> tuple[subprocess.Popen, Path, Path]:
+    script, marks, out = tmp_path / "trials.py", tmp_path / "marks", tmp_path / "out.json"
+    script.write_text(TRIALS)
+    marks.mkdir()
+    proc = subprocess.Popen([PY, "-m", "hpc_garage", "run", "--site", site, "--", PY, str(script), str(out),
+                             str(marks), str(count), str(duration), keep],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    return proc, marks, out
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> str:
+    """`run`'s stderr once it exited; a run that outlives `timeout` is stopped (its worker jobs cancelled)."""
+    try:
+        return proc.communicate(timeout=timeout)[1]
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        stderr = proc.communicate(timeout=120)[1]
+        raise AssertionError(f"run still going after {timeout} s: {stderr[-3000:]}") from None
+
+
+def test_workers_at_the_end_of_their_jobs_retire_between_trials_and_keep_their_results(tmp_path: Path) -> None:
+    # 60-s worker jobs retiring 10 s before their end, 5-s trials: the sweep spans two generations of jobs
+    env = write_site(tmp_path / "sites", "jq-gen", "00:01:00", jobs=2, lifetime_margin="10s", lifetime_stagger=0)
+    count, duration = 24, 5.0
+    proc, marks, out = start_trials(tmp_path, "jq-gen", env, count, duration, keep="keep")
+    stderr = finish(proc, 300)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert json.loads(out.read_text())["sum"] == sum(i * i for i in range(count))
+    runs = executions(marks)
+    data = worker_jobs(run_dir_of(stderr))
+    events = [(e["event"], e["job"]) for e in data["events"]]
+    assert sum(1 for e, _ in events if e == "drain (lifetime)") >= 2, events  # both first jobs were retired
+    assert len({r["job"] for rs in runs.values() for r in rs}) >= 3, events  # and trials ran on their successors
+    # every trial ran exactly once: none killed mid-run, none recomputed after its worker left, none twice at once
+    assert sorted(runs) == list(range(count))
+    again = {i: rs for i, rs in runs.items() if len(rs) != 1}
+    assert not again, (again, events)
+    assert all("end" in rs[0] for rs in runs.values())
+    assert in_queue([j["job_id"] for j in data["jobs"] if j["job_id"]]) == []
+
+
+def test_a_worker_job_scancelled_mid_trial_runs_that_trial_again_once_elsewhere(tmp_path: Path) -> None:
+    env = write_site(tmp_path / "sites", "jq-cancel", "00:10:00", jobs=2)
+    count, duration = 12, 4.0
+    proc, marks, out = start_trials(tmp_path, "jq-cancel", env, count, duration, keep="release")
+    deadline = time.time() + 120
+    victim = None
+    while victim is None and time.time() < deadline and proc.poll() is None:
+        started = [json.loads(p.read_text()) for p in marks.glob("*.json")]
+        # a trial one second into its run: scancel its job now, mid-trial
+        running = [r for r in started if "end" not in r and time.time() - r["start"] > 1.0]
+        if len(started) >= 3 and running:
+            victim = running[0]
+            subprocess.run(["scancel", victim["job"]], check=True)
+        time.sleep(0.2)
+    assert victim is not None, "no trial was seen running"
+    stderr = finish(proc, 240)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert json.loads(out.read_text())["sum"] == sum(i * i for i in range(count))
+    runs = executions(marks)
+    reported = {int(i): t for i, t in json.loads(out.read_text())["reported"].items()}
+    killed = runs[victim["trial"]]
+    assert len(killed) == 2, killed  # interrupted once, run again once
+    assert "end" not in killed[0] and "end" in killed[1] and killed[1]["job"] != victim["job"], killed
+    assert not overlapping(killed), killed  # the second run began after the first was killed
+    for i, rs in runs.items():
+        # no trial whose result the client had runs again; none runs twice at once
+        assert not [r for r in rs if r["start"] > reported[i]], (i, rs, reported[i])
+        assert not overlapping(rs), (i, rs)
+        if i != victim["trial"]:
+            assert len(rs) == 1 or "end" not in rs[0], (i, rs)  # a second run only if the first was killed
+    data = worker_jobs(run_dir_of(stderr))
+    assert in_queue([j["job_id"] for j in data["jobs"] if j["job_id"]]) == []
