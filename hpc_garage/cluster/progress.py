@@ -11,7 +11,8 @@ state.json under "progress"):
 - elapsed seconds and a simple ETA (trials left at the rate trials have finished so far);
 - where to look: the Dask dashboard, and the Prefect flow run(s), found from a task key
   (`<task name>-<task run id hex>`, prefect/fast.py) through the API's `/task_runs/{id}`.
-At the end, `report()` turns the record into the efficiency report (cluster/report.py).
+At the end, `finish()` turns the record into the efficiency report (cluster/report.py): each trial's span as
+its worker's sampler timed it (Dask's startstops where no sampler spoke).
 """
 
 from __future__ import annotations
@@ -151,10 +152,8 @@ class RunProgress(SchedulerPlugin):
             return
         if "key" in msg:
             self.sampled[str(msg["key"])] = msg
-        elif msg.get("gpus"):  # a sampler starting: its worker's GPU ids
-            for record in self.workers.values():
-                if record.name == str(msg.get("worker")):
-                    record.gpu_ids = [str(g) for g in msg["gpus"]]
+        elif msg.get("gpus") and (record := self.workers.get(msg.get("worker"))) is not None:
+            record.gpu_ids = [str(g) for g in msg["gpus"]]  # a sampler starting (the scheduler adds "worker")
 
     # ------------------------------------------------------------------------------------ progress
 
@@ -256,7 +255,8 @@ class RunProgress(SchedulerPlugin):
         trials = []
         for t in sorted(self.trials.values(), key=lambda t: t.start):
             sampled = self.sampled.get(t.key, {})
-            trial = {"key": t.key, "worker": t.worker, "start": t.start, "stop": t.stop,
+            start, stop = (sampled["start"], sampled["stop"]) if "stop" in sampled else (t.start, t.stop)
+            trial = {"key": t.key, "worker": t.worker, "start": start, "stop": stop,
                      "failed": t.failed or bool(sampled.get("failed")), "asked_gpu": t.asked_gpu}
             trial |= {k: v for k, v in sampled.items() if k.startswith("gpu")}
             trials.append(trial)

@@ -85,7 +85,7 @@ def summary(report: dict[str, Any]) -> list[str]:
         lines.append(f"{label}-seconds: {allocated:.1f} allocated, {busy:.1f} busy ({share}), "
                      f"{allocated - busy:.1f} idle in {len(gaps)} gaps"
                      + (f" (longest {max(gaps):.1f} s)" if gaps else "")
-                     + (f"; least busy {least.get('gpu', least['worker'])}"
+                     + (f"; least busy {_label(least)}"
                         f" {100 * least['busy_s'] / least['allocated_s']:.0f} %" if least and least["allocated_s"] else ""))
     if not gpus:
         lines.append("GPUs: none allocated")
@@ -159,6 +159,10 @@ def plot(report: dict[str, Any], path: str | Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _label(row: dict[str, Any]) -> str:
+    return f"GPU {row['gpu']} of {row['worker']}" if "gpu" in row else str(row["worker"])
 
 
 def _gpus_of(record: dict[str, Any], worker: str) -> list[str]:

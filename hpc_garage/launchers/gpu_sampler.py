@@ -1,13 +1,15 @@
-"""In every worker: what each trial did to its GPUs, and whether a Prefect trial failed, told to the scheduler.
+"""In every worker: each trial's own span, what it did to its GPUs, and whether a Prefect trial failed.
 
-The scheduler knows when a task ran (its start/stop) but not what the GPU did meanwhile, nor that a Prefect
-task "succeeded" as a Dask task while returning a Failed state. `TrialSampler` is a WorkerPlugin that
-`cluster/progress.py` registers on the scheduler, so every worker of every launcher gets it as it
+The scheduler knows when a task ran, but shifted by Dask's per-heartbeat estimate of each worker's clock
+offset (seen moving consecutive trials into each other), and not what the GPU did meanwhile, nor that a
+Prefect task "succeeded" as a Dask task while returning a Failed state. `TrialSampler` is a WorkerPlugin
+that `cluster/progress.py` registers on the scheduler, so every worker of every launcher gets it as it
 registers (own launcher, dask-mpi ranks, jobqueue worker jobs alike). While a task executes it samples the
-worker's own GPUs (the ids its pinning variable lists) every SAMPLE_SECONDS through NVML (`nvidia-ml-py`) or
-`amdsmi`; when the task ends it logs one event under TOPIC: the key, the GPU figures, and `failed` for a
-Prefect Failed/Crashed state. A worker without the library or without a GPU samples nothing and sends an
-event only for a failed trial: no GPU columns, no error.
+worker's own GPUs (the ids its pinning variable lists) every SAMPLE_SECONDS through NVML (`nvidia-ml-py`)
+or `amdsmi`; when the task ends it logs one event under TOPIC: the key, its start and stop on this worker's
+clock, the GPU figures, and `failed` for a Prefect Failed/Crashed state (the scheduler adds the worker's
+address as "worker"). At start it logs its GPU ids. A worker without the library or without a GPU samples
+nothing: no GPU columns, no error.
 """
 
 from __future__ import annotations
@@ -115,6 +117,8 @@ def worker_gpus(vendor: str, env: Any = None) -> list[str]:
 class TrialFigures:
     """One executing task's GPU samples, per GPU of its worker."""
 
+    start: float = 0.0  # this worker's clock (time.time()): Dask's startstops are shifted by a per-heartbeat
+    #                     estimate of the clock offset to the scheduler, which moved trials into each other here
     util_sum: list[float] = field(default_factory=list)
     util_peak: list[float] = field(default_factory=list)
     memory_peak: list[float] = field(default_factory=list)
@@ -166,7 +170,7 @@ class TrialSampler(WorkerPlugin):
         self.gpus = worker_gpus(self.vendor)
         self.reader = open_reader(self.vendor, self.gpus)
         if self.gpus:  # the report names GPUs by these ids (sent once the worker's stream opens)
-            worker.log_event(TOPIC, {"worker": worker.name, "gpus": self.gpus})
+            worker.log_event(TOPIC, {"gpus": self.gpus})
         if self.reader is not None:
             self.thread = threading.Thread(target=self._sample_loop, name=NAME, daemon=True)
             self.thread.start()
@@ -181,20 +185,22 @@ class TrialSampler(WorkerPlugin):
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
         if finish == "executing":
             with self.lock:
-                self.running[str(key)] = TrialFigures()
+                self.running[str(key)] = TrialFigures(start=time.time())
         elif start in ("executing", "long-running") and finish != "long-running":
+            stop = time.time()
             with self.lock:
                 figures = self.running.pop(str(key), None)
-            event: dict[str, Any] = {}
-            if self.reader is not None and figures is not None:
+            if figures is None:
+                return
+            event: dict[str, Any] = {"key": str(key), "start": figures.start, "stop": stop}
+            if self.reader is not None:
                 if not figures.samples:  # shorter than one period: read once now
                     figures.add(self.reader.sample())
                 with self.lock:
                     event |= figures.to_dict()
             if finish == "memory" and self._failed_state(key):
                 event["failed"] = True
-            if event:
-                self.worker.log_event(TOPIC, {"key": str(key), "worker": self.worker.name, **event})
+            self.worker.log_event(TOPIC, event)
 
     def _failed_state(self, key: Any) -> bool:
         """The task returned a Prefect Failed or Crashed state (duck-typed: no Prefect import here)."""

@@ -1,0 +1,161 @@
+"""The efficiency report (cluster/report.py) and the worker's GPU sampler (launchers/gpu_sampler.py): the
+interval arithmetic, the summary and the plot on a built report, the CLI, NVML where a GPU is, and a real
+SLURM run whose report agrees with the trials' own timings."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+from hypothesis import given, strategies as st
+
+from hpc_garage.cluster.report import build, busy_and_gaps, plot, summary
+from hpc_garage.launchers.gpu_sampler import TrialFigures, open_reader
+
+PY = sys.executable
+TRIALS = Path(__file__).resolve().parent / "data" / "timed_trials.py"
+
+spans = st.lists(st.tuples(st.floats(0, 100), st.floats(0, 20)).map(lambda p: (p[0], p[0] + p[1])), max_size=30)
+
+
+@given(spans, st.floats(0, 50), st.floats(0, 120))
+def test_busy_and_idle_gaps_add_up_to_the_window(trials: list[tuple[float, float]], start: float, length: float) -> None:
+    window = (start, start + length)
+    busy, gaps = busy_and_gaps(trials, window)
+    assert busy + sum(b - a for a, b in gaps) == pytest.approx(length, abs=1e-6)
+    assert all(window[0] <= a < b <= window[1] for a, b in gaps)
+    for a, b in gaps:  # a gap overlaps no trial
+        assert all(min(b, t1) - max(a, t0) <= 1e-9 for t0, t1 in trials)
+
+
+def test_overlapping_trials_count_once_and_gaps_are_listed() -> None:
+    busy, gaps = busy_and_gaps([(1, 3), (2, 4), (6, 7), (9, 12)], (0, 10))
+    assert busy == 5 and gaps == [(0, 1), (4, 6), (7, 9)]
+
+
+def record(gpu_figures: bool = True) -> dict:
+    t0 = 1000.0
+    trial = {"asked_gpu": True, "failed": False}
+    figures = {"gpu_util_mean": 50.0, "gpu_util_peak": 90.0, "gpu_memory_peak": 2.0 * 2**30} if gpu_figures else {}
+    return {"started": t0, "ended": t0 + 10, "flow_runs": [],
+            "workers": [{"name": "w0", "gpus": 1.0, "gpu_ids": ["3"], "nthreads": 1, "memory_limit": 2**32,
+                         "memory_peak": 2**30, "joined": t0 + 1, "left": t0 + 10},
+                        {"name": "w1", "gpus": 1.0, "gpu_ids": [], "nthreads": 1, "memory_limit": 2**32,
+                         "memory_peak": 2**29, "joined": t0 + 1, "left": t0 + 10}],
+            "trials": [{"key": "a", "worker": "w0", "start": t0 + 2, "stop": t0 + 5, **trial, **figures},
+                       {"key": "b", "worker": "w0", "start": t0 + 6, "stop": t0 + 8, **trial, "failed": True},
+                       {"key": "c", "worker": "w1", "start": t0 + 2, "stop": t0 + 9, **trial}]}
+
+
+def test_report_per_gpu_worker_and_trial_and_five_summary_lines(tmp_path: Path) -> None:
+    report = build(record())
+    gpu = {g["gpu"]: g for g in report["gpus"]}
+    assert set(gpu) == {"3", "#0"}  # w1 never said its GPU's id
+    assert gpu["3"] | {"gaps": None} == {"gpu": "3", "worker": "w0", "allocated_s": 9.0, "busy_s": 5.0, "idle_s": 4.0,
+                                         "gaps": None, "trials": 2}
+    assert gpu["3"]["gaps"] == [[1.0, 2.0], [5.0, 6.0], [8.0, 10.0]]
+    w0 = report["workers"][0]
+    assert (w0["memory_peak"], w0["memory_limit"], w0["gpus"]) == (2**30, 2**32, ["3"])
+    a = report["trials"][0]
+    assert (a["worker"], a["gpus"], a["duration_s"], a["gpu_util_peak"]) == ("w0", ["3"], 3.0, 90.0)
+    assert "gpu_util_mean" not in report["trials"][1]
+    lines = summary(report)
+    assert len(lines) == 5
+    assert lines[0] == "3 trials (2 done, 1 failed) on 2 workers with 2 GPUs in 10.0 s"
+    assert lines[1] == "GPU-seconds: 18.0 allocated, 12.0 busy (67 %), 6.0 idle in 5 gaps (longest 2.0 s); least busy GPU 3 of w0 56 %"
+    assert "GPU utilisation mean 50 %, peak 90 %, memory peak 2.0 GiB" in lines[4]
+    assert "GPU utilisation not read" in summary(build(record(gpu_figures=False)))[4]
+    out = tmp_path / "t.png"
+    plot(report, out)
+    assert out.read_bytes().startswith(b"\x89PNG")
+
+
+def test_gpu_figures_mean_and_peaks_over_samples() -> None:
+    figures = TrialFigures()
+    for sample in ([(10.0, 1e9), (30.0, 2e9)], [(50.0, 3e9), (None, None)]):
+        figures.add(sample)
+    assert figures.to_dict() == {"gpu_util_mean": 22.5, "gpu_util_peak": 50.0, "gpu_memory_peak": 3e9, "gpu_samples": 2}
+
+
+def test_no_gpu_library_or_gpu_means_no_reader() -> None:
+    assert open_reader("nvidia", []) is None
+    assert open_reader("intel", ["0"]) is None
+    if not shutil.which("nvidia-smi"):
+        assert open_reader("nvidia", ["0"]) is None  # NVML absent or no driver: no GPU columns, no error
+
+
+def hpcg(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "PBS_", "HPC_GARAGE"))}
+    return subprocess.run([PY, "-m", "hpc_garage", *args], capture_output=True, text=True, cwd=cwd, env=env,
+                          timeout=timeout)
+
+
+def test_report_of_an_unknown_or_unfinished_job_is_one_line(tmp_path: Path) -> None:
+    done = hpcg(["report", "999999"], tmp_path)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "999999" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+def test_slurm_run_report_matches_the_trials_own_timings(tmp_path: Path) -> None:
+    """8 one-GPU trials of 1.5 s on 2 GPUs: per GPU, busy seconds within 5 % of what the trials timed
+    themselves, and idle gaps adding up to allocated minus busy; `report JOB` prints it again, with a plot."""
+    out = tmp_path / "trials.json"
+    done = hpcg(["submit", "--site", "lab-gpu", "--gpus-per-node", "2", "--wait", str(TRIALS), str(out), "8", "1.5"],
+                tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    job = done.stdout.split()[2]
+    own: dict[str, float] = defaultdict(float)
+    for trial in json.loads(out.read_text()):
+        own[trial["worker"]] += trial["end"] - trial["start"]
+    shown = hpcg(["report", job, "--json"], tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    report = json.loads(shown.stdout)
+    assert len(report["gpus"]) == 2 and len(report["trials"]) == 8
+    for gpu in report["gpus"]:
+        assert gpu["busy_s"] == pytest.approx(own[gpu["worker"]], rel=0.05), (gpu, dict(own))
+        idle = sum(b - a for a, b in gpu["gaps"])
+        assert idle == pytest.approx(gpu["allocated_s"] - gpu["busy_s"], abs=0.01)
+        assert gpu["gpu"] in ("0", "1", "2", "3")  # the id its worker is pinned to
+    assert {t["worker"] for t in report["trials"]} == set(own)
+    log = Path(json.loads(hpcg(["status", job, "--json"], tmp_path).stdout)["log"]).read_text()
+    summary_lines = [line for line in log.splitlines() if line.startswith("hpc-garage: report: ")]
+    assert len(summary_lines) == 6 and "8 trials (8 done, 0 failed) on 2 workers with 2 GPUs" in summary_lines[0]
+    png = tmp_path / "timeline.png"
+    again = hpcg(["report", job, "--plot", str(png)], tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.splitlines()[:5] == [line.removeprefix("hpc-garage: report: ") for line in summary_lines[:5]]
+    assert png.read_bytes().startswith(b"\x89PNG")
+
+
+needs_nvidia = pytest.mark.skipif(not shutil.which("nvidia-smi"), reason="no nvidia-smi here (no NVIDIA GPU)")
+
+
+@needs_nvidia
+def test_nvml_reads_a_gpu_busy_with_a_real_kernel() -> None:
+    """Where a GPU exists: the worker's reader sees utilisation rise while a kernel runs on GPU 0."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA device")
+    reader = open_reader("nvidia", ["0"])
+    assert reader is not None, "nvidia-smi works but NVML did not open: pip install 'hpc-garage[gpu]'"
+    figures = TrialFigures()
+    a = torch.randn(8192, 8192, device="cuda:0")
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline:
+        for _ in range(20):
+            a = a @ a
+            a = a / a.norm()
+        figures.add(reader.sample())
+    torch.cuda.synchronize()
+    reader.close()
+    got = figures.to_dict()
+    assert got["gpu_util_peak"] > 0 and got["gpu_memory_peak"] > 8192 * 8192 * 4, got
