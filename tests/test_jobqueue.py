@@ -18,7 +18,7 @@ from hpc_garage.launchers.jobqueue.jobs import job_kwargs, submit_env, worker_sc
 from hpc_garage.launchers.jobqueue.launcher import initial_workers, initial_layout
 from hpc_garage.launchers.jobqueue.scaling import PoolState, choose_pool, idle_jobs, pool_loads, pool_targets, task_weight
 from hpc_garage.launchers.jobqueue.worker import job_workers
-from hpc_garage.core.pools import UNTAGGED, job_shapes, lifetime, untagged_restrictions, worker_names
+from hpc_garage.core.pools import RUN_END_MARGIN, UNTAGGED, job_shapes, lifetime, untagged_restrictions, worker_names
 from hpc_garage.schedulers.slurm import Slurm
 from hpc_garage.core.site import parse_site_dict
 from hpc_garage.sites import load_site
@@ -119,6 +119,11 @@ def test_lifetime_ends_before_the_walltime_with_room_for_the_stagger() -> None:
     life, stagger = lifetime(site)
     assert (life, stagger) == (1200 - 60 - 60, 60) and life + stagger <= site.walltime - site.lifetime_margin
     assert lifetime(site, remaining=600) == (600 - 120, 60)  # a job that started late: its real end time counts
+    # the run that uses the job ends first (a driver job's --time): its workers retire RUN_END_MARGIN before it
+    assert lifetime(site, remaining=600, run_remaining=300) == (300 - RUN_END_MARGIN - 60, 60)
+    assert lifetime(site, remaining=600, run_remaining=5000) == (600 - 120, 60)
+    # a worker job whose walltime was cut to a 1-minute driver's end: not the site's 60 s margin and stagger
+    assert lifetime(site, remaining=55, run_remaining=50, cut=True) == (50 - RUN_END_MARGIN, 0)
 
 
 # ------------------------------------------------------------------------------------------------ placement

@@ -7,8 +7,12 @@ start, end), so executions are counted, not inferred from the results."""
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -160,3 +164,79 @@ def test_a_worker_job_scancelled_mid_trial_runs_that_trial_again_once_elsewhere(
             assert len(rs) == 1 or "end" not in rs[0], (i, rs)  # a second run only if the first was killed
     data = worker_jobs(run_dir_of(stderr))
     assert in_queue([j["job_id"] for j in data["jobs"] if j["job_id"]]) == []
+
+
+class LastSeen:
+    """Samples squeue in the background: when each job was last seen in the queue, its name and time limit."""
+
+    def __init__(self) -> None:
+        self.jobs: dict[str, dict] = {}
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self) -> LastSeen:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join()
+
+    def _watch(self) -> None:
+        while not self.stop.is_set():
+            out = subprocess.run(["squeue", "-h", "-o", "%i|%j|%l"], capture_output=True, text=True).stdout
+            now = time.time()
+            for line in out.splitlines():
+                job, name, limit = line.split("|")
+                self.jobs[job] = {"name": name, "limit": limit, "last": now}
+            self.stop.wait(0.25)
+
+    def named(self, name: str) -> dict[str, dict]:
+        return {j: s for j, s in self.jobs.items() if s["name"] == name}
+
+
+def test_worker_jobs_end_with_a_driver_job_given_time_1(tmp_path: Path) -> None:
+    env = write_site(tmp_path / "sites", "jq-time", "00:10:00", jobs=2)
+    script, marks, out = tmp_path / "trials.py", tmp_path / "marks", tmp_path / "out.json"
+    script.write_text(TRIALS)
+    marks.mkdir()
+    with LastSeen() as queue:  # a sweep of 40 x 5 s on 2 GPUs: more than the driver job's minute
+        done = subprocess.run([PY, "-m", "hpc_garage", "submit", "--site", "jq-time", "--time", "1", "--wait",
+                               str(script), str(out), str(marks), "40", "5", "release"],
+                              capture_output=True, text=True, env=env, cwd=tmp_path, timeout=240)
+        time.sleep(1.0)
+    driver = re.search(r"submitted job (\S+)", done.stdout)
+    assert driver, done.stdout + done.stderr
+    workers = queue.named(f"hpcg-jq-time-{driver.group(1)}")
+    assert len(workers) >= 2 and driver.group(1) in queue.jobs, (queue.jobs, done.stdout[-2000:])
+    # the worker jobs asked for the driver's minute, not the site's 10, and left the queue before it did
+    assert {s["limit"] for s in workers.values()} == {"1:00"}, workers
+    driver_last = queue.jobs[driver.group(1)]["last"]
+    assert all(s["last"] <= driver_last + 0.5 for s in workers.values()), (workers, driver_last)
+
+
+def test_worker_jobs_leave_the_queue_within_a_minute_of_a_run_killed_outright(tmp_path: Path) -> None:
+    env = write_site(tmp_path / "sites", "jq-kill", "00:10:00", jobs=2)
+    script, marks, out = tmp_path / "trials.py", tmp_path / "marks", tmp_path / "out.json"
+    script.write_text(TRIALS)
+    marks.mkdir()
+    with LastSeen() as queue:
+        proc = subprocess.Popen([PY, "-m", "hpc_garage", "run", "--site", "jq-kill", "--", PY, str(script), str(out),
+                                 str(marks), "20", "5", "release"], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, env=env, cwd=tmp_path, start_new_session=True)
+        deadline = time.time() + 120
+        while not list(marks.glob("*.json")) and time.time() < deadline:
+            time.sleep(0.2)
+        assert list(marks.glob("*.json")), "no trial started"
+        os.killpg(proc.pid, signal.SIGKILL)  # `run` and its COMMAND, as a node failure or an OOM kill ends them
+        killed = time.time()
+        proc.wait()
+        names = {s["name"] for s in queue.jobs.values() if s["name"].startswith("hpcg-jq-kill-")}
+        ours = {j for j, s in queue.jobs.items() if s["name"] in names}
+        while in_queue(sorted(ours)) and time.time() < killed + 90:
+            time.sleep(0.5)
+        gone = time.time() - killed
+    leftover = in_queue(sorted(ours))
+    if leftover:
+        subprocess.run(["scancel", *leftover])
+    assert len(ours) == 2 and not leftover and gone <= 60, (ours, leftover, gone)

@@ -123,15 +123,25 @@ def untagged_restrictions(resources: Mapping[str, float] | None, marker: str | N
 # ------------------------------------------------------------------------------------------------ lifetime
 
 
-def lifetime(site: Site, remaining: float | None = None) -> tuple[int, int]:
-    """(`--lifetime`, `--lifetime-stagger`) in seconds, so every worker has retired `lifetime_margin` before
-    the batch system ends its job: a worker's lifetime is drawn from lifetime ± stagger.
+RUN_END_MARGIN = 10  # seconds before the run's end (its driver job's) by which worker jobs have retired
 
-    `remaining` is the job's real time left (from its end time, read inside the job) when known.
+
+def lifetime(site: Site, remaining: float | None = None, run_remaining: float | None = None,
+             cut: bool = False) -> tuple[int, int]:
+    """(lifetime, stagger) in seconds, so every worker has retired `lifetime_margin` before the batch system
+    ends its job, and RUN_END_MARGIN before the run that uses it ends: workers retire within lifetime ± stagger.
+
+    `remaining` is the job's real time left (from its end time, read inside the job) when known;
+    `run_remaining` the run's (its driver job's end, or --time), when it has one. A job whose walltime was
+    `cut` to the run's end keeps RUN_END_MARGIN to its own end too, unstaggered (the site's margin and
+    stagger are shares of its walltime).
     """
     budget = site.walltime if remaining is None else min(site.walltime, int(remaining))
-    stagger = site.lifetime_stagger
-    return max(1, budget - site.lifetime_margin - stagger), stagger
+    stagger = 0 if cut else site.lifetime_stagger
+    life = budget - (min(site.lifetime_margin, RUN_END_MARGIN) if cut else site.lifetime_margin) - stagger
+    if run_remaining is not None:
+        life = min(life, int(run_remaining) - RUN_END_MARGIN - stagger)
+    return max(1, life), stagger
 
 
 # ----------------------------------------------------------------------------------------- where tasks go

@@ -35,6 +35,7 @@ from hpc_garage.core.errors import UserError
 from hpc_garage.core.layout import Layout, WorkerSpec
 from hpc_garage.core.pools import (
     POOL_RESOURCES_ENV,
+    RUN_END_MARGIN,
     UNTAGGED,
     job_shapes,
     lifetime,
@@ -405,7 +406,8 @@ class JobqueueLauncher(Launcher):
             cluster.worker_spec.update(spec)
             new += list(spec)
         for name in new:
-            self.jobs[name] = JobRecord(pool=pool, name=name, submitted=time.time())
+            self.jobs[name] = JobRecord(pool=pool, name=name, submitted=time.time(),
+                                        cut=walltime is not None and walltime < self.shapes[pool].walltime)
         try:
             await correct_state(cluster)
         except Exception as exc:  # noqa: BLE001 - sbatch refused: say why, stop the pool, do not retry blindly
@@ -501,8 +503,7 @@ class JobqueueLauncher(Launcher):
         if self.end_time is None:
             return walltime
         left = int(self.end_time - now)
-        site = self.shapes[pool].site
-        if left - site.lifetime_margin - site.lifetime_stagger <= self._drain_window():
+        if left - RUN_END_MARGIN <= self._drain_window():
             return None
         return min(walltime, left)
 
@@ -523,10 +524,9 @@ class JobqueueLauncher(Launcher):
         """The lifetime of a started job's workers, from the job's end and the run's, whichever comes first."""
         if rec.started_at is None:
             return None
-        ends = [rec.ends_at - rec.started_at] if rec.ends_at is not None else []
-        if self.end_time is not None and rec.started is not None:
-            ends.append(self.end_time - rec.started)
-        return lifetime(self.shapes[rec.pool].site, min(ends))[0] if ends else None
+        job_left = rec.ends_at - rec.started_at if rec.ends_at is not None else None
+        run_left = self.end_time - rec.started if self.end_time is not None and rec.started is not None else None
+        return lifetime(self.shapes[rec.pool].site, job_left, run_left, cut=rec.cut)[0]
 
     def _live(self, pool: str) -> list[JobRecord]:
         return live_jobs(self.jobs.values(), pool)

@@ -99,13 +99,14 @@ class JobRecord:
     started_at: float | None = None  # monotonic twin of `started`
     draining: float | None = None  # monotonic: its workers were told to take no new tasks
     ends_at: float | None = None  # monotonic: when the batch system ends it (asked once it started)
+    cut: bool = False  # its walltime was cut to the run's end
     workers: int = 0  # registered now
 
 
 def retires_at(rec: JobRecord, shape: JobShape, now: float, life: int | None = None) -> float:
     """When the first worker of a job may retire (monotonic), from its pool's lifetime (`now` if not started).
     `life`: the job's own lifetime when shorter than the pool's (the run's end comes first)."""
-    pool_life, stagger = lifetime(shape.site)
+    pool_life, stagger = lifetime(shape.site, cut=rec.cut)
     return (rec.started_at or now) + min(pool_life, life if life is not None else pool_life) - stagger
 
 

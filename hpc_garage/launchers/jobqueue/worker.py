@@ -14,7 +14,7 @@ dask-jobqueue's SpecCluster expects for its job.
 The launcher retires these workers before the job's end (see `scaling`); Dask's `--lifetime` is not used (it
 reschedules a task its worker still runs). What is left here is the last resort, for a launcher that could
 not retire them in time (a task far longer than any before it, a lost driver): half the lifetime margin before
-the job's end, or the run's, and on scancel/qdel/walltime signals, each worker *process* is killed first and
+the job's end, or half RUN_END_MARGIN before the run's, and on scancel/qdel/walltime signals, each worker *process* is killed first and
 only then its nanny closed, so the scheduler moves a task away only once nothing runs it any more.
 """
 
@@ -40,7 +40,7 @@ from hpc_garage.launchers.common import (forkserver_env, local_directory, node_g
                                         start_worker_forkserver, worker_preload)
 from hpc_garage.core.gpus import VARIABLES
 from hpc_garage.core.layout import CPUS_ENV, WorkerSpec, pin_gpus, layout
-from hpc_garage.core.pools import JobShape, advertised, job_shapes, lifetime, worker_names
+from hpc_garage.core.pools import RUN_END_MARGIN, JobShape, advertised, job_shapes, lifetime, worker_names
 from hpc_garage.core.site import Site, parse_site_dict
 from hpc_garage.core.units import format_bytes, format_walltime
 
@@ -85,17 +85,19 @@ def job_workers(shape: JobShape, job_name: str, allocation: Allocation, env: Map
     return workers, notes
 
 
-def job_end(site: Site) -> float | None:
-    """When the batch system ends this job (epoch seconds), asked once: the job's clock started before its
-    workers did (seconds, or tens of seconds on a busy node); None where it will not say."""
+def job_end(site: Site, allocation: Allocation) -> tuple[float | None, float | None]:
+    """(when the batch system ends this job (epoch seconds), its time limit in seconds), asked once: the job's
+    clock started before its workers did (seconds, or tens of seconds on a busy node); None where unknown."""
     from hpc_garage.schedulers import detect, job_id
 
     batch, job = detect(os.environ, prefer=site.scheduler), job_id(os.environ)
     try:
         left = batch.time_left(job) if batch is not None and job is not None else None
     except UserError:
-        return None
-    return time.time() + left[0] if left is not None else None
+        left = None
+    if left is None:
+        return allocation.end_time, allocation.walltime
+    return allocation.end_time or time.time() + left[0], left[1]
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -119,18 +121,24 @@ def main(argv: list[str] | None = None) -> int:
     shape = job_shapes(site)[data["pool"]]
     allocation = allocation_from_env(shape.site)
     workers, notes = job_workers(shape, args.name, allocation, os.environ, bind=True)
-    ends = [t for t in (allocation.end_time or job_end(shape.site), data.get("end_time")) if t]
-    remaining = min(ends) - time.time() if ends else None
-    life, stagger = lifetime(shape.site, remaining)
+    now, (job_ends, limit), run_ends = time.time(), job_end(shape.site, allocation), data.get("end_time")
+    remaining = job_ends - now if job_ends else None
+    run_remaining = run_ends - now if run_ends else None
+    cut = limit is not None and limit < shape.walltime  # the launcher cut it to the run's end
+    life, stagger = lifetime(shape.site, remaining, run_remaining, cut=cut)
+    # the last resort: half the margin before the job's end, or half RUN_END_MARGIN before the run's
+    last = life + stagger + shape.site.lifetime_margin // 2
+    if run_remaining is not None:
+        last = min(last, int(run_remaining) - RUN_END_MARGIN // 2)
     os.environ.update(data["env"])  # the run's worker environment (Prefect API, logging) for every process here
     for note in notes:
         _say(note)
     start_worker_forkserver(forkserver_env(data["env"], [w.spec for w in workers]), worker_preload(os.environ))
-    return asyncio.run(_serve(data, shape, workers, args, life, stagger))
+    return asyncio.run(_serve(data, shape, workers, args, life, stagger, max(1, last)))
 
 
 async def _serve(data: dict[str, Any], shape: JobShape, workers: list[JobWorker], args: argparse.Namespace,
-                 life: int, stagger: int) -> int:
+                 life: int, stagger: int, last: int) -> int:
     from distributed import Nanny
 
     security = security_from(data["tls"])
@@ -155,13 +163,13 @@ async def _serve(data: dict[str, Any], shape: JobShape, workers: list[JobWorker]
         end_workers(nannies, f"worker job got signal {sig}")
 
     def last_resort() -> None:
-        _say(f"the job's end is {site.lifetime_margin // 2} s away and its workers were not retired: stopping them "
+        _say("the end of this job (or of its run) is near and its workers were not retired: stopping them "
              "(a task still running runs again elsewhere)")
         end_workers(nannies, "job's end")
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop, sig)
-    loop.call_later(life + stagger + site.lifetime_margin // 2, last_resort)
+    loop.call_later(last, last_resort)
     node = node_name(os.environ)
     await asyncio.gather(*(n.start() for n in nannies))
     for w in workers:
