@@ -34,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, help="runs per figure (default 5; 1 with --quick)")
     parser.add_argument("--only", help=f"comma-separated subset of {','.join(ORDER)}")
     parser.add_argument("--out", type=Path, help="results directory (default bench/results; a temp dir with --quick)")
+    parser.add_argument("--startup-nodes", help="node counts for the start-up benchmark (default 1,2; 1 with --quick)")
     args = parser.parse_args(argv)
     runs = args.runs or (1 if args.quick else 5)
     out = args.out or (Path(tempfile.mkdtemp(prefix="hpc-garage-bench-quick-")) if args.quick else RESULTS)
@@ -55,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
         say(f"{name}: running")
         begun = time.monotonic()
         target = out / f"{name}.json"
-        code = _run([PYTHON, "-m", f"bench.{_module(name)}", *_arguments(name, args.quick, runs, out),
+        extra = ["--nodes", args.startup_nodes] if name == "startup" and args.startup_nodes else []
+        code = _run([PYTHON, "-m", f"bench.{_module(name)}", *_arguments(name, args.quick, runs, out), *extra,
                      "--out", str(target)], out / f"{name}.log")
         if code != 0 or not target.exists():
             failed.append(name)
