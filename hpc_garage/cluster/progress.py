@@ -207,11 +207,11 @@ class RunProgress(SchedulerPlugin):
                 "bokeh": importlib.util.find_spec("bokeh") is not None}
 
     def _find_flow_run(self) -> None:
-        """Look up one not-yet-known Prefect task run's flow run, in a thread, at most once per tick."""
+        """Look up the flow run of one finished trial not looked up yet, in a thread, at most once per tick."""
         url = self.api.get("PREFECT_API_URL")
         if not url or (self.lookup is not None and not self.lookup.done()):
             return
-        for key in reversed(list(self.known)[-64:]):
+        for key in reversed(list(self.trials)[-64:]):  # finished: in the API by now (a waiting one may not be)
             if (m := TASK_RUN_ID.search(key)) and m.group(1) not in self.looked_up:
                 self.looked_up.add(m.group(1))
                 self.lookup = asyncio.get_running_loop().run_in_executor(None, self._flow_run_of, url, m.group(1))
