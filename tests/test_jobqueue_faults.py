@@ -112,8 +112,9 @@ def finish(proc: subprocess.Popen, timeout: float) -> str:
 
 
 def test_workers_at_the_end_of_their_jobs_retire_between_trials_and_keep_their_results(tmp_path: Path) -> None:
-    # 60-s worker jobs retiring 10 s before their end, 5-s trials: the sweep spans two generations of jobs
-    env = write_site(tmp_path / "sites", "jq-gen", "00:01:00", jobs=2, lifetime_margin="10s", lifetime_stagger=0)
+    # 2-min worker jobs whose workers retire a minute into them, 5-s trials: the sweep spans generations of
+    # jobs. (The minute left lets a replacement that waited long in a busy queue still take the results.)
+    env = write_site(tmp_path / "sites", "jq-gen", "00:02:00", jobs=2, lifetime_margin="60s", lifetime_stagger=0)
     count, duration = 24, 5.0
     proc, marks, out = start_trials(tmp_path, "jq-gen", env, count, duration, keep="keep")
     stderr = finish(proc, 300)

@@ -462,8 +462,8 @@ class JobqueueLauncher(Launcher):
             present = self._workers_of(rec)
             processing = [ts for ws in present for ts in ws.processing]
             executing = [ts for ws in present for ts in ws.executing]
-            if present and not drained(rec, now, processing, executing):
-                continue
+            if not present or not drained(rec, now, processing, executing):
+                continue  # (its workers gone before they could retire: `_observe` finds it ENDED)
             names = worker_names(rec.name, self._per_job(rec.pool))
             try:
                 retired = await asyncio.wait_for(self.scheduler.retire_workers(
