@@ -30,7 +30,8 @@ from bench.common import PYTHON, ROOT, SCRIPTS, say
 
 SWEEP = SCRIPTS / "concurrent_sweep.py"
 TICKS = os.sysconf("SC_CLK_TCK")
-RETRYABLE = re.compile(r"\b503\b|Service Unavailable|database is locked|Encountered retryable exception")
+# a 503 as httpx and Prefect's client word it, SQLite's lock, and the server's PREFECT_API_LOG_RETRYABLE_ERRORS line
+RETRYABLE = re.compile(r"503 Service Unavailable|status code 503|database is locked|Encountered retryable exception")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -527,7 +527,7 @@ def server() -> None:
 @click.option("--host", default="127.0.0.1", show_default=True, callback=lambda ctx, param, value: _host(value),
               help="Address the server listens on.")
 def server_status(host: str) -> None:
-    """Say whether the shared Prefect server runs, and where."""
+    """Say whether the shared Prefect server runs: where, its database, uptime and idle time."""
     from hpc_garage.prefect.server import server_status as status
 
     click.echo(json.dumps(status(host), indent=2))

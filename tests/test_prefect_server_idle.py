@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -146,6 +147,7 @@ def test_the_users_database_url_is_passed_through_without_its_password() -> None
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # three server starts; each migrates or checks its database
 @pytest.mark.skipif(not Path("/usr/lib/postgresql").exists() and not shutil.which("initdb")
                     and os.environ.get("CI") != "true",  # CI installs them (scripts/test): there it must run
                     reason="PostgreSQL's server binaries are not installed (apt install postgresql)")
@@ -179,6 +181,15 @@ def test_postgresql_in_user_space(home: Path, monkeypatch: pytest.MonkeyPatch) -
         code = ("import asyncio\nfrom prefect.client.orchestration import get_client\n"
                 "async def main():\n    async with get_client() as c:\n        print(len(await c.read_flow_runs()))\n"
                 "asyncio.run(main())")
+        assert in_child(code, env).stdout.strip() == "1"
+
+        # a keeper killed outright takes its server and PostgreSQL with it (parent-death signals)
+        keeper = server_status()["pid"]
+        postmaster = int((postgres.data / "postmaster.pid").read_text().split()[0])
+        os.kill(keeper, signal.SIGKILL)
+        assert wait_until(lambda: not prefect_server.pid_alive(postmaster), 60)
+        assert wait_until(lambda: not processes_in(directory), 60)
+        env = ensure_api(timeout=START)  # and the next run starts cleanly on the same database
         assert in_child(code, env).stdout.strip() == "1"
     finally:
         stop_server()

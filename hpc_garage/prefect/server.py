@@ -263,12 +263,16 @@ class ManagedPostgres:
         elif not password:
             raise UserError(f"{self.data} exists but {self.secrets} (its password) does not; remove {self.base} "
                             "to start a fresh database")
+        self._wait_for_previous()
         command = [str(self.bin / "postgres"), "-D", str(self.data), "-k", str(self.socket_dir), "-p", self.PORT,
                    "-c", "listen_addresses=", "-c", "unix_socket_permissions=0700"]
-        self.process = subprocess.Popen(self._as_owner(command), stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        self.process = subprocess.Popen(self._as_owner(command, pdeathsig="INT"), stdin=subprocess.DEVNULL,
+                                        stdout=log, stderr=log, cwd=self.base,
+                                        preexec_fn=_die_with_parent(signal.SIGINT))
         env = {**os.environ, "PGPASSWORD": password}
         deadline = time.monotonic() + 60
-        while subprocess.run([str(self.bin / "pg_isready"), "-q", "-h", str(self.socket_dir), "-p", self.PORT],
+        while subprocess.run([str(self.bin / "pg_isready"), "-q", "-h", str(self.socket_dir), "-p", self.PORT,
+                              "-U", "prefect", "-d", "postgres"],
                              env=env, stdout=log, stderr=log).returncode != 0:
             if self.process.poll() is not None or time.monotonic() > deadline:
                 raise UserError(f"PostgreSQL in {self.data} did not start (see the server log)")
@@ -278,19 +282,33 @@ class ManagedPostgres:
                             "prefect"], env=env, stdout=log, stderr=log, check=True)
         return f"postgresql+asyncpg://prefect:{password}@/prefect?host={self.socket_dir}&port={self.PORT}"
 
+    def _wait_for_previous(self, timeout: float = 30.0) -> None:
+        """A PostgreSQL of a server that was just killed may still be shutting down on these files."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                pid = int((self.data / "postmaster.pid").read_text().split()[0])
+            except (OSError, ValueError, IndexError):
+                return
+            if not pid_alive(pid):
+                return
+            time.sleep(0.2)
+
     def stop(self) -> None:
         """Fast shutdown (SIGINT): sessions are ended, the data is consistent."""
         if self.process is not None:
             _stop_child(self.process, signal.SIGINT, grace=6.0)
 
     def _run(self, command: list[str], log: int) -> None:
-        subprocess.run(self._as_owner(command), stdin=subprocess.DEVNULL, stdout=log, stderr=log, check=True)
+        subprocess.run(self._as_owner(command), stdin=subprocess.DEVNULL, stdout=log, stderr=log, check=True,
+                       cwd=self.base)
 
-    def _as_owner(self, command: list[str]) -> list[str]:
+    def _as_owner(self, command: list[str], pdeathsig: str | None = None) -> list[str]:
         if self.run_as is None:
             return command
         user, group = self.run_as
-        return ["setpriv", f"--reuid={user}", f"--regid={group}", "--clear-groups", *command]
+        dies = [f"--pdeathsig={pdeathsig}"] if pdeathsig else []  # a change of uid clears the parent's setting
+        return ["setpriv", f"--reuid={user}", f"--regid={group}", "--clear-groups", *dies, *command]
 
     def _private_dir(self, path: Path) -> None:
         """0700 and ours (or the run-as user's): never a directory someone else made for us."""
@@ -435,7 +453,7 @@ def _keep(argv: list[str]) -> int:
             env["PREFECT_SERVER_DATABASE_CONNECTION_URL"] = database.url
         server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", args.host,
                                    "--port", str(args.port), "--no-ui", "--analytics-off"], env=env,
-                                  stdin=subprocess.DEVNULL)
+                                  stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent(signal.SIGTERM))
         url = f"http://{_url_host(args.host)}:{args.port}/api"
         state = ServerState(url=url, pid=os.getpid(), auth=env["PREFECT_SERVER_API_AUTH_STRING"], host=args.host,
                             port=args.port, started=time.time(), idle_timeout=args.idle)
@@ -534,6 +552,20 @@ def _stop_child(process: subprocess.Popen[bytes], how: signal.Signals, grace: fl
             process.wait()
 
 
+def _die_with_parent(how: signal.Signals) -> Callable[[], None]:
+    """For Popen's preexec_fn: the child gets `how` when the keeper dies, even by SIGKILL (Linux prctl)."""
+
+    def arrange() -> None:
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(how), 0, 0, 0)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+
+    return arrange
+
+
 def _exit_on_signal(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
@@ -598,16 +630,37 @@ def _is_our_server(state: ServerState) -> bool:
 def _terminate(state: ServerState, grace: float = 10.0) -> bool:
     """Stop the server's whole session (uvicorn and any children); False if it was not running."""
     running = _pid_alive(state.pid) and _is_our_server(state)
-    if running:
+    # a keeper killed outright may leave its children (the server, PostgreSQL) in its process group: a group
+    # id is never reused while it has members, so these are its own
+    leftovers = not running and bool(_members(state))
+    if running or leftovers:
         os.killpg(state.pid, signal.SIGTERM)
         deadline = time.monotonic() + grace
-        while _pid_alive(state.pid) and time.monotonic() < deadline:
+        while (_pid_alive(state.pid) or _members(state)) and time.monotonic() < deadline:
             time.sleep(0.1)
-        if _pid_alive(state.pid):
+        if _pid_alive(state.pid) or _members(state):
             os.killpg(state.pid, signal.SIGKILL)
     if (child := _children.pop(state.pid, None)) is not None:
         child.wait(timeout=5)  # reap it
     return running
+
+
+def _members(state: ServerState) -> list[int]:
+    """Live processes of the keeper's process group other than itself, if one of them is our server."""
+    members, ours = [], False
+    for proc in Path("/proc").iterdir():
+        try:
+            if not proc.name.isdigit() or int(proc.name) == state.pid:
+                continue
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) != state.pid or fields[0] == "Z":
+                continue
+            members.append(int(proc.name))
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            ours = ours or (b"server" in argv and str(state.port).encode() in argv) or argv[0].endswith(b"postgres")
+        except (OSError, IndexError, ValueError):
+            continue
+    return members if ours else []
 
 
 def _read_state(directory: Path) -> ServerState | None:
