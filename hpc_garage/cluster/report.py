@@ -113,10 +113,15 @@ def load(view: Any, job_id: str) -> dict[str, Any]:
 
     from hpc_garage.core.errors import UserError
 
-    if view.run_dir is None:
+    run_dir = view.run_dir
+    if run_dir is None:  # not submitted by hpc-garage: a `run` on a login node, or inside a hand-written job
+        from hpc_garage.schedulers.submission import run_roots
+
+        run_dir = next((root / job_id for root in run_roots() if (root / job_id / REPORT_FILE).is_file()), None)
+    if run_dir is None:
         raise UserError(f"job {job_id} has no run directory here, so no report; pass --site if its site keeps "
                         "its runs elsewhere")
-    path = view.run_dir / REPORT_FILE
+    path = run_dir / REPORT_FILE
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
