@@ -88,7 +88,7 @@ def test_cancel_then_resume_runs_no_finished_trial_again(tmp_path: Path) -> None
     wait_gone(job)
     finished = set(count(marks, "done"))  # after the job is gone: nothing finishes any more
     assert not out.exists()
-    resumed = hpcg(["resume", job, "--wait"], tmp_path, timeout=300)
+    resumed = hpcg(["resume", job, "--site", str(site), "--wait"], tmp_path, timeout=300)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert re.search(r"resumed sweep fault_sweep-\w+ as job \d+", resumed.stdout), resumed.stdout
     check_result(out, trials)
@@ -112,10 +112,11 @@ def test_a_fresh_submit_of_the_same_sweep_runs_everything_again(tmp_path: Path) 
 
 
 def test_walltime_ends_in_a_follow_up_job_and_the_sweep_completes_unattended(tmp_path: Path) -> None:
-    """--time 1 (60 s) for a sweep of about 70 s of trials on 4 GPUs: `run` winds down before the end,
-    submits a follow-up job, and `submit --wait` follows the sweep to its end; no trial runs twice."""
-    trials, duration = 48, 6.0
-    site = site_file(tmp_path, "requeue: auto\nwalltime_margin: 20\n")
+    """--time 1 (60 s) for a sweep of about 50 s of trials on 4 GPUs (with start-up, 2-3 jobs): `run` winds
+    down before the end, submits a follow-up job, and `submit --wait` follows the sweep to its end; no trial
+    runs twice."""
+    trials, duration = 40, 5.0
+    site = site_file(tmp_path, "requeue: auto\nwalltime_margin: 15s\n")
     done = hpcg(["submit", "--site", str(site), "--nodes", "2", "--gpus-per-node", "2", "--time", "1", "--wait",
                  str(SWEEP), "--trials", str(trials), "--duration", str(duration), "--marks", str(tmp_path / "marks"),
                  "--out", str(tmp_path / "out.json")], tmp_path, timeout=600)

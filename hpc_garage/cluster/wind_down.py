@@ -2,8 +2,8 @@
 
 The batch system kills a job at its walltime (or on preemption) in the middle of whatever runs. `run`
 instead asks the batch system how long the job has left (squeue %L, qstat -f; never the site's default),
-and `margin` seconds before the end (or at once when the batch system sends the site's warning signal) it
-winds down:
+and `margin` seconds plus the longest trial seen so far before the end (at once when the batch system sends
+the site's warning signal) it winds down:
 1. every worker is paused: running trials go on, no trial starts (it could not finish; it runs in the next
    job instead, read back from nothing since it never finished);
 2. with the site's `requeue: auto`, a follow-up job is submitted now, from this job's own script, to start
@@ -25,15 +25,15 @@ from hpc_garage.core.site import Site
 
 EX_TEMPFAIL = 75  # sysexits: the sweep stopped short and can be resumed
 RECHECK_SECONDS = 300.0  # the time left is asked again this often (an admin may extend a job)
+TICK_SECONDS = 2.0
 WARNING_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGURG)
 
 
 def margin_for(site: Site, limit: float) -> float:
-    """Seconds before the end at which winding down starts: the site's, else 5 % of the job's limit
-    (at least 30 s, at most 10 min)."""
-    if site.walltime_margin is not None:
-        return float(site.walltime_margin)
-    return min(600.0, max(30.0, limit / 20))
+    """Seconds before the end at which winding down starts: the site's, else 5 % of the job's limit (at
+    least 30 s, at most 10 min); never more than half the limit, or a job would wind down as it starts."""
+    wanted = float(site.walltime_margin) if site.walltime_margin is not None else min(600.0, max(30.0, limit / 20))
+    return min(wanted, limit / 2)
 
 
 class WindDown:
@@ -88,20 +88,23 @@ class WindDown:
         return 0 if self.next_job is not None else EX_TEMPFAIL
 
     async def _watch(self, scheduler: Any, proc: asyncio.subprocess.Process) -> None:
+        """Wind down at `end - margin - longest trial`: a trial started before then finishes before
+        `end - margin`, which is left for teardown. Polls every TICK; asks the batch system every RECHECK."""
         loop = asyncio.get_running_loop()
         end, margin = await self._end(loop)
+        asked = time.monotonic()
         while not self._warned.is_set():
             now = time.monotonic()
-            if end is not None and now >= end - margin:
+            if end is not None and now >= end - margin - _longest_trial(scheduler, margin):
                 break
-            wait = RECHECK_SECONDS if end is None else min(RECHECK_SECONDS, end - margin - now)
             try:
-                await asyncio.wait_for(self._warned.wait(), timeout=max(wait, 0.1))
+                await asyncio.wait_for(self._warned.wait(), timeout=TICK_SECONDS if end is not None else RECHECK_SECONDS)
             except asyncio.TimeoutError:
-                if end is not None and time.monotonic() < end - margin:
-                    end, margin = await self._end(loop)  # the limit may have changed
+                if time.monotonic() - asked >= RECHECK_SECONDS:
+                    end, margin = await self._end(loop)  # the limit may have changed (scontrol update)
+                    asked = time.monotonic()
         why = self._warning or f"walltime: {max(0.0, (end or 0) - time.monotonic()):.0f} s left"
-        await self._wind_down(scheduler, proc, why, end, loop)
+        await self._wind_down(scheduler, proc, why, end, margin, loop)
 
     async def _end(self, loop: asyncio.AbstractEventLoop) -> tuple[float | None, float]:
         if self._time_left is None:
@@ -115,14 +118,17 @@ class WindDown:
         return time.monotonic() + left, margin
 
     async def _wind_down(self, scheduler: Any, proc: asyncio.subprocess.Process, why: str, end: float | None,
-                         loop: asyncio.AbstractEventLoop) -> None:
+                         margin: float, loop: asyncio.AbstractEventLoop) -> None:
         from hpc_garage.compat import pause_workers
 
         paused = pause_workers(scheduler)
-        running = _executing(scheduler)
+        running, finished = _executing(scheduler), _finished(scheduler)
         self._say(f"{why}: winding down; no new trials on the {paused} workers, {running} running may finish")
         self._note(phase="winding down", wind_down=why)
-        if self._follow_up is not None:
+        if self._follow_up is not None and not running and not finished:
+            self._say("no trial finished or ran in this job: no follow-up job (it would fare no better); give "
+                      "the sweep a longer walltime and `hpc-garage resume` it")
+        elif self._follow_up is not None:
             try:
                 self.next_job = await loop.run_in_executor(None, self._follow_up)
                 self._say(f"the sweep continues in job {self.next_job} once this one has ended "
@@ -130,7 +136,7 @@ class WindDown:
                 self._note(next_job=self.next_job)
             except Exception as exc:  # noqa: BLE001 - the sweep can still be resumed by hand
                 self._say(f"could not submit the follow-up job ({exc}); resume by hand with `hpc-garage resume`")
-        grace = min(30.0, (self.site.walltime_margin or 60) / 3)
+        grace = margin / 2  # for stopping COMMAND and tearing down before the batch system kills the job
         await asyncio.sleep(2.0)  # a heartbeat or two: what the workers execute is known from them
         while _executing(scheduler) and proc.returncode is None:
             if end is not None and time.monotonic() >= end - grace:
@@ -146,3 +152,15 @@ class WindDown:
 
 def _executing(scheduler: Any) -> int:
     return sum(len(ws.executing) for ws in scheduler.workers.values())
+
+
+def _longest_trial(scheduler: Any, margin: float) -> float:
+    """The longest mean duration of any kind of task seen so far (Dask keeps it per task prefix): trials
+    that could not finish before the end are not started. Bounded, so one odd task cannot end a job early."""
+    means = [tp.duration_average for tp in scheduler.task_prefixes.values() if tp.duration_average > 0]
+    return min(max(means, default=0.0) * 1.2, 10 * margin)
+
+
+def _finished(scheduler: Any) -> int:
+    """Tasks whose results the flow holds (it holds every trial's future until it ends)."""
+    return sum(1 for ts in scheduler.tasks.values() if ts.state == "memory")

@@ -175,7 +175,7 @@ class Site(_Strict):
     run_directory: str = "~/.hpc-garage/runs"
     results_directory: str | None = None  # sweeps' persisted results, on storage every node shares; default <run_directory>/sweeps
     requeue: Literal["auto", "never"] = "never"  # auto: a sweep cut short by walltime or a warning signal continues in a follow-up job
-    walltime_margin: Seconds | None = None  # wind down this long before the job's end; default 5 % of its time limit, 30 s to 10 min
+    walltime_margin: Seconds | None = None  # wind down this long before the job's end ("10min", "0:30"; a bare number is minutes, as walltime); default 5 % of its limit, 30 s to 10 min
     warning_signal: str | None = Field(None, pattern=r"^(USR1|USR2|URG|TERM)@[1-9][0-9]{0,5}$")  # SLURM: ask for SIG@SECONDS before the end
     setup: list[str] = Field(default_factory=list)
     directives: list[str] = Field(default_factory=list)

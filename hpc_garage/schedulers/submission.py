@@ -382,7 +382,13 @@ def resume(target: str, site_name: str | None = None) -> tuple[SweepBook, Submit
     or running (two jobs would run the same trials)."""
     from hpc_garage.sweeps import find as find_sweep, jobs_of
 
-    book = find_sweep(target, results_roots(site_name))
+    book = None
+    if JOB_ID.fullmatch(target) and ".." not in target:  # a job hpc-garage submitted names its sweep
+        sweep = ((find(target, site_name).record or {}).get("sweep") or {})
+        if sweep.get("root") and sweep.get("name"):
+            book = SweepBook(Path(sweep["root"]), sweep["name"])
+    if book is None or book.read() is None:
+        book = find_sweep(target, results_roots(site_name))
     record = book.read() or {}
     jobs = [j["job_id"] for j in jobs_of(record)]
     views = [find(job_id, site_name) for job_id in jobs]
