@@ -61,8 +61,9 @@ with Client(h.address, security=h.security(), timeout=30) as client:
         reported[i] = time.time()
         if keep == "keep":
             held.append(future)  # the flow still holds it: a result lost with its worker would be recomputed
+        del future  # else held while the next one is awaited
     assert sum(client.gather(held)) == (total if keep == "keep" else 0)
-    del futures, future, held
+    del futures, held
 Path(out).write_text(json.dumps({"reported": reported, "sum": total}))
 '''
 

@@ -189,7 +189,7 @@ def test_workers_retire_before_the_walltime_and_are_replaced_ahead(tmp_path: Pat
     events = [(e["event"], e["job"]) for e in worker_jobs(run_dir_of(done.stderr))["events"]]
     first_expiring = events.index(("expiring", "jq-life-0"))
     assert events[first_expiring + 1] == ("submitted", "jq-life-1")
-    assert events.index(("submitted", "jq-life-1")) < events.index(("ended", "jq-life-0"))
+    assert events.index(("submitted", "jq-life-1")) < events.index(("retired", "jq-life-0"))  # drained, retired
 
 
 # -------------------------------------------------------------------------------------- nothing left behind
