@@ -32,11 +32,14 @@ def results_root(results_directory: str | None, run_directory: str) -> Path:
     return run_root(run_directory) / "sweeps"
 
 
-def check_results_root(root: Path, *, given: bool, where: str) -> Path:
-    """The results root exists (the default one is created) and this user can write in it; else one line."""
+def check_results_root(root: Path, *, given: bool, where: str, create: bool = True) -> Path:
+    """The results root exists (the default one is created, unless not `create`: a check that must leave
+    nothing behind) and this user can write in it; else one line."""
     if not root.exists():
         if given:
             raise UserError(f"{where}: {root} does not exist; create it on storage every node shares, or fix the key")
+        if not create:
+            return root
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
     if not root.is_dir():
         raise UserError(f"{where}: {root} is not a directory; point it at a directory every node shares")

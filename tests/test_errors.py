@@ -37,6 +37,11 @@ def places(tmp_path: Path) -> tuple[Path, Path]:
     (work / SCRIPT).write_text("print('hi')\n")
     (work / "run.sh").write_text("#!/bin/bash\necho hi\n")
     (work / "adir").mkdir()
+    lab = (Path(__file__).resolve().parent.parent / "site-configs" / "lab-gpu.yaml").read_text()
+    (work / "missing-results.yaml").write_text(lab + f"results_directory: {tmp_path / 'no' / 'such'}\n")
+    (work / "file-results.yaml").write_text(lab + f"results_directory: {work / SCRIPT}\n")
+    pbs = (Path(__file__).resolve().parent.parent / "site-configs" / "lab-pbs.yaml").read_text()
+    (work / "signal-pbs.yaml").write_text(pbs + "warning_signal: USR1@60\n")
     (work / "latin.yaml").write_bytes(b"scheduler: local\nnode: {cores: 2, memory: 4GiB}\ndescription: caf\xe9\n")
     return home, work
 
@@ -86,6 +91,20 @@ BAD = [
     (["submit", "--site", "lab-gpu", "--job-name", "a b", SCRIPT], "job name 'a b'"),
     (["submit", "--site", "lab-gpu", "--job-name", "x", "-J", "y", SCRIPT], "given twice"),
     (["submit", "--site", "pbs-gpu", "--qos", "high", SCRIPT], "PBS has no QOS"),
+    # sweeps (issue 10)
+    (["submit", "--site", "lab-gpu", "--sweep", "../x", SCRIPT], "--sweep '../x' is not a sweep name"),
+    (["submit", "--site", "lab-gpu", "--sweep", "a b", SCRIPT], "--sweep 'a b' is not a sweep name"),
+    (["submit", "--site", "lab-gpu", "--resume", SCRIPT], "has not run yet"),
+    (["submit", "--site", "missing-results.yaml", SCRIPT], "missing-results.yaml: results_directory"),
+    (["submit", "--site", "file-results.yaml", SCRIPT], "is not a directory"),
+    (["show", "--site", "signal-pbs.yaml"], "warning_signal"),
+    (["run", "--sweep", "/etc", "--", "true"], "--sweep '/etc' is not a sweep name"),
+    (["run", "--resume", "--", "true"], "has not run yet"),
+    (["run", "--sweep-epoch", "2", "--", "true"], "--sweep-epoch needs --sweep"),
+    (["run", "--site", "missing-results.yaml", "--", "true"], "results_directory"),
+    (["resume", "nosuch"], "no sweep 'nosuch'"),
+    (["resume", "../x"], "not a sweep name"),
+    (["resume", "12345"], "no sweep '12345'"),
     # sbatch's options
     (["sbatch", "--gress=gpu:2", SCRIPT], "did you mean --gres?"),
     (["sbatch", "-N", "x", SCRIPT], "-N x"),

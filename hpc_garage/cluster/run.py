@@ -103,12 +103,12 @@ def run(site: Site, command: list[str], *, insecure: bool = False, timeout: floa
         launcher = LocalLauncher(layout_)
         job_id = f"local-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         notes = [f"no batch job here: a local cluster shaped like one {site.name} node"] + notes
+    in_job = site.scheduler != "local" and in_batch_job(env)
+    swept = join_sweep(site, command, job_id, name=sweep, epoch=sweep_epoch, resume=resume, in_job=in_job)
     for note in notes:
         say(note)
     if insecure:
         say("--insecure: the cluster speaks plain tcp; anyone who can reach its ports can run code in it")
-    in_job = site.scheduler != "local" and in_batch_job(env)
-    swept = join_sweep(site, command, job_id, name=sweep, epoch=sweep_epoch, resume=resume, in_job=in_job)
     say(f"sweep {swept.key} (results in {swept.results})")
     rundir = RunDir.for_job(site.run_directory, job_id).create()
     ending = _wind_down(site, env, job_id, rundir) if in_job else None
@@ -186,6 +186,8 @@ async def _serve(site: Site, layout_: Layout, launcher: Launcher, rundir: RunDir
         _on_signals(lambda sig: say(f"signal {sig} ignored: tearing down (stopping workers, cancelling jobs)"))
         if code is None and proc is not None:
             await _end_command(proc)
+        if progress is not None and code != 0:  # before the batch system's KillWait runs out
+            await asyncio.get_running_loop().run_in_executor(None, _crash_open_flow_runs, progress, code)
         nodes.cancel()
         if ending is not None:
             ending.cancel()
@@ -204,6 +206,34 @@ async def _serve(site: Site, layout_: Layout, launcher: Launcher, rundir: RunDir
             await asyncio.get_running_loop().run_in_executor(None, preload.join, 60)
         state("done" if code is not None else "failed", exit_code=code)
     return code if code is not None else 128 + interrupted[0] if interrupted else 1
+
+
+def _crash_open_flow_runs(progress: Any, code: int | None) -> None:
+    """COMMAND ended non-zero (cancelled, walltime, killed, its cluster lost): a flow run of it that Prefect
+    still shows unfinished (the flow process was killed before it could say so) is set Crashed, so that no
+    run shows Running for ever. Bookkeeping: an API that does not answer is left alone."""
+    import urllib.request
+
+    from hpc_garage.cluster.progress import _auth
+
+    url = progress.api.get("PREFECT_API_URL")
+    if not url:
+        return
+    how = f"exit code {code}" if code is not None else "interrupted"
+    for flow_run in list(progress.flow_runs):
+        base = f"{url.rstrip('/')}/flow_runs/{flow_run}"
+        try:
+            with urllib.request.urlopen(urllib.request.Request(base, headers=_auth(progress.api)), timeout=3) as r:
+                if json.loads(r.read()).get("state_type") in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
+                    continue
+            body = json.dumps({"state": {"type": "CRASHED", "message": f"hpc-garage run: COMMAND ended ({how}) "
+                                         "before the flow run reached a final state"}, "force": True}).encode()
+            request = urllib.request.Request(f"{base}/set_state", data=body, method="POST",
+                                             headers={**_auth(progress.api), "Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=3):
+                say(f"flow run {flow_run} set Crashed in Prefect's API (COMMAND ended, {how})")
+        except (OSError, ValueError) as exc:
+            say(f"flow run {flow_run}: could not check its state in Prefect's API ({exc})")
 
 
 def _wind_down(site: Site, env: Mapping[str, str], job_id: str, rundir: RunDir) -> WindDown:

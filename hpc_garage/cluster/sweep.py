@@ -48,7 +48,7 @@ def join_sweep(site: Site, command: list[str], job_id: str, *, name: str | None,
     if epoch is not None and in_job and not book.path.is_dir():  # `submit` made it: this node cannot see it
         raise UserError(f"{where}: {book.path} (made at submit) is not visible on this compute node; put "
                         "results_directory on storage every node shares")
-    check_results_root(book.root, given=bool(site.results_directory), where=where)
+    check_results_root(book.root, given=bool(site.results_directory), where=where, create=False)
     if epoch is None:
         record = book.read()
         epoch = epoch_of_job(record, job_id) if in_job else None  # restarted with its id: the same epoch

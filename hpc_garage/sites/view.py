@@ -188,6 +188,8 @@ def view(data: dict[str, Any], path: Path | None = None) -> SiteView:
         raise _Unsure
     if "via" in (raw.get("mpi") or {}) and values["mpi"].launch != "dask-mpi":
         raise _Unsure
+    if values["warning_signal"] and values["scheduler"] != "slurm":
+        raise _Unsure
     if any(not line.startswith("-") for line in values["directives"]):
         raise _Unsure
     if any(not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k) or "\0" in v for k, v in values["env"].items()):
