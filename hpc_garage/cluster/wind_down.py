@@ -125,7 +125,7 @@ class WindDown:
         running, finished = _executing(scheduler), _finished(scheduler)
         self._say(f"{why}: winding down; no new trials on the {paused} workers, {running} running may finish")
         self._note(phase="winding down", wind_down=why)
-        if self._follow_up is not None and not running and not finished:
+        if self._follow_up is not None and not finished and not _assigned(scheduler):
             self._say("no trial finished or ran in this job: no follow-up job (it would fare no better); give "
                       "the sweep a longer walltime and `hpc-garage resume` it")
         elif self._follow_up is not None:
@@ -159,6 +159,11 @@ def _longest_trial(scheduler: Any, margin: float) -> float:
     that could not finish before the end are not started. Bounded, so one odd task cannot end a job early."""
     means = [tp.duration_average for tp in scheduler.task_prefixes.values() if tp.duration_average > 0]
     return min(max(means, default=0.0) * 1.2, 10 * margin)
+
+
+def _assigned(scheduler: Any) -> int:
+    """Tasks handed to workers (executing, or about to: the workers' heartbeats tell `executing` late)."""
+    return sum(len(ws.processing) for ws in scheduler.workers.values())
 
 
 def _finished(scheduler: Any) -> int:
