@@ -430,6 +430,7 @@ def status(job_id: str | None, site_name: str | None, as_json: bool) -> None:
             f"{view.batch.name} state": f"{batch.state}" + (f" ({batch.reason})" if batch.reason else "") if batch else "not in the queue",
             "nodes": batch.nodes if batch else None,
             "lost nodes": _lost_nodes(data["run"]),
+            "sweep": _sweep_line(data["sweep"]),
             "log": data["log"],
             "run directory": data["run_dir"],
         }
@@ -461,6 +462,14 @@ def status(job_id: str | None, site_name: str | None, as_json: bool) -> None:
         d = v.to_dict()
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(d["submitted"])) if d["submitted"] else "-"
         click.echo(f"{v.job_id:<12} {d['site'] or '-':<14} {(d['name'] or '-')[:20]:<20} {when:<17} {d['summary']}")
+
+
+def _sweep_line(sweep: dict[str, Any] | None) -> str | None:
+    """e.g. `lr-scan-2f0c… epoch 1: 14 results kept; jobs 93 (submit), 98 (follow-up)`."""
+    if not sweep:
+        return None
+    jobs = ", ".join(f"{j['job_id']} ({j['how']})" for j in sweep["jobs"])
+    return f"{sweep['name']} epoch {sweep['epoch']}: {sweep['results']} results kept; jobs {jobs}"
 
 
 def _lost_nodes(run: dict[str, Any] | None) -> str | None:

@@ -119,6 +119,19 @@ def jobs_of(record: dict[str, Any], epoch: int | None = None) -> list[dict[str, 
     return list(record.get("epochs", {}).get(str(epoch), {}).get("jobs", []))
 
 
+def summary(book: SweepBook, epoch: int | None = None) -> dict[str, Any] | None:
+    """What `status` shows of a sweep: its epoch, the epoch's jobs (and how each joined), and how many
+    results the epoch keeps (finished trials, read back by any later job of the epoch)."""
+    record = book.read()
+    if record is None:
+        return None
+    epoch = latest_epoch(record) if epoch is None else epoch
+    results = book.results(epoch)
+    kept = sum(1 for p in results.iterdir() if p.is_file() and not p.name.startswith(".")) if results.is_dir() else 0
+    return {"name": book.name, "epoch": epoch, "jobs": jobs_of(record, epoch), "results": kept,
+            "directory": str(results)}
+
+
 def find(name_or_job: str, roots: list[Path]) -> SweepBook:
     """A sweep by its name, or by the id of one of its jobs (the newest such sweep)."""
     if "/" not in name_or_job and ".." not in name_or_job:

@@ -322,9 +322,19 @@ class JobView:
             return f"{word} (exit code unknown)"
         return word if code == 0 and word == "done" else f"{word} (exit {code})"
 
+    def sweep(self) -> dict[str, Any] | None:
+        """The job's sweep (sweeps.summary), when hpc-garage submitted it."""
+        from hpc_garage.sweeps import summary
+
+        sweep = (self.record or {}).get("sweep") or {}
+        if not sweep.get("root") or not sweep.get("name"):
+            return None
+        return summary(SweepBook(Path(sweep["root"]), sweep["name"]), sweep.get("epoch"))
+
     def to_dict(self) -> dict[str, Any]:
         record = self.record or {}
         return {
+            "sweep": self.sweep(),
             "job_id": self.job_id,
             "site": record.get("site"),
             "scheduler": self.batch.name,
