@@ -95,6 +95,9 @@ def run_pair(database: str, tasks: int, home: Path | None = None, timeout: float
         "database": database, "tasks_per_sweep": tasks, "flows": flows, "wall_s": round(wall, 1),
         "server_start_s": round(server_up, 1),
         "server_retryable_errors": sum(1 for line in server_log.splitlines() if RETRYABLE.search(line)),
+        # each 503 the server answered (one "Encountered retryable exception" line each), by endpoint
+        "server_503": server_log.count("Encountered retryable exception in request"),
+        "server_503_by_endpoint": {name: n for name, n in _endpoints(server_log).items()},
         "server_peak_rss_mb": round(sampler.peak_rss / 2**20, 1),
         "server_cpu_s": round(sampler.cpu_seconds(), 1),
         "server_cpu_ms_per_task": round(1000 * sampler.cpu_seconds() / (2 * tasks), 2),
@@ -109,6 +112,18 @@ def run_pair(database: str, tasks: int, home: Path | None = None, timeout: float
         shutil.rmtree(ManagedPostgres(Path(status["state_file"]).parent).base, ignore_errors=True)
     say(f"concurrent sweeps on {database}: {json.dumps({k: v for k, v in result.items() if k != 'flows'})}")
     return result
+
+
+def _endpoints(server_log: str) -> dict[str, int]:
+    """The API function of each retryable error's traceback (its innermost frame in prefect/server/api/)."""
+    counts: dict[str, int] = {}
+    for trace in server_log.split("Encountered retryable exception in request")[1:]:
+        frames = re.findall(r'prefect/server/api/(\w+)\.py", line \d+, in (\w+)', trace.split("\nERROR:")[0])
+        frames = [f for f in frames if f[0] != "server"]
+        if frames:
+            name = f"{frames[0][0]}.{frames[0][1]}"
+            counts[name] = counts.get(name, 0) + 1
+    return counts
 
 
 def task_run_counts(api: dict[str, str], flow_run_id: str) -> dict[str, int]:
@@ -171,13 +186,15 @@ class SessionSampler(threading.Thread):
 
 
 def markdown(results: list[dict[str, Any]]) -> str:
-    lines = ["| database | trials | flows COMPLETED | task runs COMPLETED in the API | 503 / lock lines (sweeps, server) "
-             "| wall | server peak RSS | server CPU per task |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| database | trials | flows COMPLETED | task runs COMPLETED in the API | 503 or lock error reaching a sweep "
+             "| 503s the server answered (retried by the client) | wall | server peak RSS | server CPU per task |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         done = sum(f["state"] == "COMPLETED" for f in r["flows"])
         runs = sum(f["task_runs"].get("COMPLETED", 0) for f in r["flows"])
         lines.append(f"| {r['database']} | 2 x {r['tasks_per_sweep']} | {done} of 2 | {runs} of {2 * r['tasks_per_sweep']} "
-                     f"| {sum(f['retryable_lines'] for f in r['flows'])}, {r['server_retryable_errors']} "
+                     f"| {sum(f['retryable_lines'] for f in r['flows'])} | {r['server_503']} "
+                     f"{json.dumps(r['server_503_by_endpoint']) if r['server_503'] else ''} "
                      f"| {r['wall_s']} s | {r['server_peak_rss_mb']} MB | {r['server_cpu_ms_per_task']} ms |")
     return "\n".join(lines) + "\n"
 

@@ -231,14 +231,15 @@ class ManagedPostgres:
             import pwd
 
             self.run_as = (user, grp.getgrgid(pwd.getpwnam(user).pw_gid).gr_name)
-            digest = hashlib_short(str(directory))
+            digest = _short_hash(str(directory))
             self.base = Path("/var/tmp") / f"hpc-garage-postgres-{digest}"
         else:
             self.base = directory / "postgres"
         self.data = self.base / "data"
         self.socket_dir = self.base / "run"
         if len(str(self.socket_dir / f".s.PGSQL.{self.PORT}")) > 100:  # sun_path holds 107 bytes
-            self.socket_dir = Path(tempfile.gettempdir()) / f"hpc-garage-pg-{os.getuid()}-{hashlib_short(str(self.base))}"
+            short = f"hpc-garage-pg-{os.getuid()}-{_short_hash(str(self.base))}"
+            self.socket_dir = Path(tempfile.gettempdir()) / short
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self, log: int) -> str:
@@ -325,7 +326,7 @@ class ManagedPostgres:
             shutil.chown(path, *self.run_as)
 
 
-def hashlib_short(text: str) -> str:
+def _short_hash(text: str) -> str:
     import hashlib
 
     return hashlib.sha256(text.encode()).hexdigest()[:12]
@@ -436,8 +437,7 @@ def _keep(argv: list[str]) -> int:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--idle", type=float, required=True)
     args = parser.parse_args(argv)
-    directory = Path.cwd()
-    say = _say
+    directory = Path.cwd()  # _start runs the keeper in the state directory
     signal.signal(signal.SIGTERM, _exit_on_signal)
     signal.signal(signal.SIGINT, _exit_on_signal)
     postgres: ManagedPostgres | None = None
@@ -447,7 +447,7 @@ def _keep(argv: list[str]) -> int:
         database = database_choice(env)
         if database.kind == "postgresql":
             postgres = ManagedPostgres(directory)
-            say(f"starting PostgreSQL in {postgres.data} (socket in {postgres.socket_dir})")
+            _say(f"starting PostgreSQL in {postgres.data} (socket in {postgres.socket_dir})")
             env["PREFECT_SERVER_DATABASE_CONNECTION_URL"] = postgres.start(sys.stdout.fileno())
         elif database.kind == "url" and database.url:
             env["PREFECT_SERVER_DATABASE_CONNECTION_URL"] = database.url
@@ -464,10 +464,10 @@ def _keep(argv: list[str]) -> int:
 
         return _watch(directory, state, server, args.idle, stop)
     except UserError as exc:
-        say(str(exc))
+        _say(str(exc))
         return 2
     except subprocess.CalledProcessError as exc:
-        say(f"{' '.join(map(str, exc.cmd))} exited with code {exc.returncode}")
+        _say(f"{' '.join(map(str, exc.cmd))} exited with code {exc.returncode}")
         return 3
     finally:
         if server is not None:
