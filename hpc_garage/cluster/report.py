@@ -52,8 +52,9 @@ def build(record: dict[str, Any]) -> dict[str, Any]:
         by_worker[trial["worker"]].append(trial)
     workers, gpus = [], []
     for w in record["workers"]:
-        mine = by_worker.get(w["name"], [])
         window = (w["joined"], w["left"])
+        mine = [t for t in by_worker.get(w["name"], [])  # a worker restarted under its name is a new record
+                if t["stop"] > window[0] and t["start"] < window[1]]
         busy, gaps = busy_and_gaps([(t["start"], t["stop"]) for t in mine], window)
         usage = {"allocated_s": _r(window[1] - window[0]), "busy_s": _r(busy),
                  "idle_s": _r(sum(b - a for a, b in gaps)), "gaps": [[_r(a - t0), _r(b - t0)] for a, b in gaps],
