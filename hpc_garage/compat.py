@@ -304,3 +304,104 @@ def runner_has_cluster(runner: Any) -> bool:
 def dask_futures(runner: Any, values: Any) -> Any:
     """`values` with every PrefectDaskFuture replaced by its dask future, as prefect-dask submits them."""
     return runner._optimize_futures(values)
+
+
+@uses("prefect", "prefect.flow_engine.propose_state_sync / propose_state (the engine's module-level names)")
+def keep_flow_states(wrap: Callable[[Any, bool], Any]) -> bool:
+    """Route the flow engine's state proposals through `wrap(propose, is_async)` once per process: while
+    Prefect's API does not answer, hpc-garage keeps the flow run's state locally (prefect/outage.py). The
+    engine has no hook around its API calls. Fallback where the names are gone: False, Prefect's own
+    behaviour (the flow fails after the client's retries)."""
+    import prefect.flow_engine as engine
+
+    if getattr(engine, "_hpc_garage_keeps_states", False):
+        return True
+    if not in_range("prefect") or not callable(getattr(engine, "propose_state_sync", None)) \
+            or not callable(getattr(engine, "propose_state", None)):
+        return False
+    engine.propose_state_sync = wrap(engine.propose_state_sync, False)
+    engine.propose_state = wrap(engine.propose_state, True)
+    engine._hpc_garage_keeps_states = True
+    return True
+
+
+@uses("prefect", "QueueService._instances / _instance_lock / _queue")
+def drop_queued(service: type) -> int:
+    """Empty the queues of every running instance of a Prefect queue service (EventsWorker, APILogWorker)
+    in this process; how many items were dropped. Used once the API is known gone: each queued item would
+    otherwise be retried against it at exit. Fallback where the names are gone: 0, nothing dropped."""
+    import queue
+
+    if not in_range("prefect") or not hasattr(service, "_instances"):
+        return 0
+    with service._instance_lock:
+        instances = [i for i in service._instances.values() if isinstance(i, service)]  # one dict for all kinds
+    dropped = 0
+    for instance in instances:
+        items = getattr(instance, "_queue", None)
+        if not isinstance(items, queue.Queue):
+            continue
+        stop = False
+        while True:
+            try:
+                item = items.get_nowait()
+            except queue.Empty:
+                break
+            items.task_done()
+            if item is None:
+                stop = True  # the service's own stop marker stays
+            else:
+                dropped += 1
+        if stop:
+            items.put_nowait(None)
+    return dropped
+
+
+@uses("prefect", "prefect.concurrency.services.ConcurrencySlotAcquisitionWithLeaseService.acquire / "
+                 "_create_empty_limits_response / _should_use_cache")
+def tag_limits_survive_outages(is_outage: Callable[[BaseException], bool], answers: Callable[[], bool],
+                               warn: Callable[[str], None]) -> bool:
+    """Before every tagged task Prefect asks the API for the tags' concurrency slots; an unreachable or
+    overloaded API then fails the trial before its function runs (seen: a 503 left a trial Pending and
+    failed the flow). Where this process already saw those tags limit-free, the last answer stands while the
+    API does not answer (a limit created meanwhile cannot be known anyway); otherwise Prefect's error stands.
+    Fallback where the names are gone: False, Prefect's own behaviour."""
+    from prefect.concurrency import services
+
+    cls = getattr(services, "ConcurrencySlotAcquisitionWithLeaseService", None)
+    if cls is None or getattr(cls, "_hpc_garage_survives", False):
+        return cls is not None
+    if not in_range("prefect") or not callable(getattr(services, "_create_empty_limits_response", None)) \
+            or not callable(getattr(services, "_should_use_cache", None)):
+        return False
+    own = cls.acquire
+    limit_free: set[frozenset[str]] = set()
+    down: list[bool] = [False]
+
+    async def acquire(self: Any, slots: int, mode: Any, timeout_seconds: Any = None, max_retries: Any = None,
+                      lease_duration: float = 300, strict: bool = False, holder: Any = None) -> Any:
+        names = frozenset(self.concurrency_limit_names)
+        known_free = names in limit_free and services._should_use_cache(self.concurrency_limit_names, holder)
+        if known_free and down[0] and not await asyncio.to_thread(answers):
+            return services._create_empty_limits_response()
+        try:
+            response = await own(self, slots, mode, timeout_seconds, max_retries, lease_duration, strict, holder)
+        except Exception as exc:
+            if not (known_free and is_outage(exc)):
+                raise
+            if not down[0]:
+                warn(f"Prefect's API does not answer ({type(exc).__name__}); tags {sorted(names)} were limit-free "
+                     "when last asked, and the trial runs on that answer")
+            down[0] = True
+            return services._create_empty_limits_response()
+        down[0] = False
+        try:
+            if not response.json().get("limits"):
+                limit_free.add(names)
+        except Exception:  # noqa: BLE001 - an answer that is not JSON says nothing about limits
+            pass
+        return response
+
+    cls.acquire = acquire
+    cls._hpc_garage_survives = True
+    return True

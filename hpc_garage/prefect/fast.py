@@ -53,7 +53,7 @@ import prefect.context
 from prefect.context import SettingsContext, SyncClientContext, serialize_context
 
 from hpc_garage.compat import (context_var, deployment_context, has_context_vars, has_deployment_context,
-                               stretch_no_tag_limits_cache)
+                               stretch_no_tag_limits_cache, tag_limits_survive_outages)
 from hpc_garage.variables import PREFECT_FAST, switch
 
 __all__ = ["SettingsPayload", "Submitter", "TaskCall", "await_recorded", "problem", "run_task", "worker_stats"]
@@ -300,9 +300,13 @@ _tuned: list[bool] = []
 
 
 def trust_no_tag_limits_longer(ttl: float = TAG_LIMITS_TTL) -> bool:
-    """Stretch Prefect's per-process "no tag concurrency limits" cache (see the module docstring); False
-    where this Prefect has no such cache, which leaves its behaviour as it is."""
+    """Stretch Prefect's per-process "no tag concurrency limits" cache (see the module docstring), and keep
+    its last answer while the API does not answer (prefect/outage.py); False where this Prefect has no such
+    cache, which leaves its behaviour as it is."""
+    from hpc_garage.prefect.outage import api_answers, is_outage_error, say
+
     _tuned.append(True)
+    tag_limits_survive_outages(is_outage_error, api_answers, say)
     return stretch_no_tag_limits_cache(ttl)
 
 
@@ -332,7 +336,13 @@ def _client_for(key: str) -> Any:
         context = SyncClientContext()  # get_client(sync_client=True): reads the API URL from the settings
         context.client.__enter__()
         if SettingsContext.get().settings.client.server_version_check_enabled:
-            context.client.raise_for_api_version_mismatch_once()
+            try:
+                context.client.raise_for_api_version_mismatch_once()
+            except Exception as exc:  # noqa: BLE001 - bookkeeping: the API being away must not fail a trial
+                from hpc_garage.prefect.outage import is_outage_error
+
+                if not is_outage_error(exc):
+                    raise
         with _lock:
             _stats["clients_built"] += 1
             _open_clients.append(context.client)

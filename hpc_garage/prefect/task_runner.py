@@ -40,6 +40,7 @@ from prefect_dask.task_runners import PrefectDaskFuture
 
 from hpc_garage.compat import dask_futures, runner_has_cluster, runner_started
 from hpc_garage.prefect import fast as prefect_fast
+from hpc_garage.prefect import outage
 from hpc_garage.core.errors import UserError
 from hpc_garage.cluster.handoff import handoff_from_env
 from hpc_garage.prefect.sweep_cache import SweepTasks
@@ -146,12 +147,17 @@ class HpcTaskRunner(DaskTaskRunner):
             # prefect-dask connects it to the worker's scheduler with client_kwargs alone; on a TLS cluster
             # those must carry the credentials, which the local path keeps in cluster_kwargs
             self.client_kwargs = {**self.client_kwargs, "security": security}
+        outage.install()  # the flow run's states survive an API outage (prefect/outage.py)
         super().__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         try:
-            self._await_recorded()
+            if self._finished and outage.api_down():  # bookkeeping only: the work is done (outage.py)
+                outage.report_at_flow_end(self._finished, self._sweep_tasks.storage and str(self._sweep_tasks.storage),
+                                          self.client)
+            else:
+                self._await_recorded()
         finally:
             super().__exit__(*exc)
 

@@ -1,0 +1,238 @@
+"""Prefect's API as bookkeeping, not a single point of failure (issue 11).
+
+Why. Prefect's client retries a call that cannot connect, or gets 429/502/503, PREFECT_CLIENT_MAX_RETRIES (5)
+times with exponential backoff (2+4+8+16+32 s: about a minute), then raises. With the API SIGKILLed mid-sweep
+every trial still finished and the flow printed its result 23 s after the kill (trials record themselves
+through events, which only log their failures); then the flow's end-of-run calls (waiting for the task runs
+to be recorded, the Completed state, then the Failed state for that failure, the queued events and logs
+retried at exit) each spent that minute, and the job exited 1 after 5.5 min (measured on the login node,
+tests/test_prefect_faults.py's sweep). The work was done and its results were on disk; only Prefect's
+records of it were missing.
+
+What changes, only while the API does not answer (a GET /health with a short timeout, no retries):
+- flow side: the flow run's state proposals are kept locally instead of raising, so the flow ends in its own
+  state and returns its own result (`keep_flow_states`, installed by the task runner);
+- at the end of the flow the task runner does not wait for the task runs to be recorded; it drops the events
+  and log lines Prefect still queues, in the flow process and on every worker (each would be retried against
+  the dead API at exit, a minute per batch: measured, the flow process took 78 s to exit after its last
+  state), sets PREFECT_CLIENT_MAX_RETRIES=0 for what is sent after that, and says how many records were not
+  written and where the list of unrecorded runs was kept (the run directory's `unrecorded.json`);
+- worker side: a trial's tag-concurrency check (Prefect asks the API before every task whose tags it has not
+  seen limit-free within a minute) uses the last answer this process got for those tags when the API does not
+  answer, instead of failing the trial (`tag_limits_survive_outages`).
+Replaying the unrecorded records into a restarted API is not done: the file lists them for the user.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from hpc_garage.cluster.handoff import RUN_DIR_ENV
+
+__all__ = ["ApiOutage", "api_answers", "api_down", "install", "is_outage_error", "outage"]
+
+PROBE_TIMEOUT = 3.0  # s a /health probe may take before the API counts as not answering
+
+
+def say(message: str) -> None:
+    print(f"hpc-garage: {message}", file=sys.stderr, flush=True)
+
+
+def is_outage_error(exc: BaseException) -> bool:
+    """An error that says the API is unreachable or overloaded, not that the request was wrong."""
+    if isinstance(exc, httpx.TransportError):
+        return True
+    if isinstance(exc, httpx.HTTPStatusError):
+        return exc.response.status_code in (408, 429) or exc.response.status_code >= 500
+    return isinstance(exc, (ConnectionError, TimeoutError))
+
+
+def api_answers(timeout: float = PROBE_TIMEOUT) -> bool:
+    """Whether Prefect's API answers at all now (any HTTP status below 500), with no retries."""
+    from prefect.settings import get_current_settings
+
+    api = get_current_settings().api
+    if not api.url:
+        return True  # no API configured: Prefect's own temporary server; nothing to guard
+    headers = {}
+    if api.auth_string is not None and api.auth_string.get_secret_value():
+        import base64
+
+        headers["Authorization"] = "Basic " + base64.b64encode(api.auth_string.get_secret_value().encode()).decode()
+    elif api.key is not None and api.key.get_secret_value():
+        headers["Authorization"] = f"Bearer {api.key.get_secret_value()}"
+    try:
+        response = httpx.get(f"{str(api.url).rstrip('/')}/health", timeout=timeout, headers=headers,
+                             verify=api.tls_insecure_skip_verify is False)
+    except httpx.HTTPError:
+        return False
+    return response.status_code < 500
+
+
+class ApiOutage:
+    """What this process knows of the API's outage, and what it could not record there."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.down_since: float | None = None
+        self.kept_states: list[str] = []  # flow run states kept here, not recorded
+
+    @property
+    def down(self) -> bool:
+        return self.down_since is not None
+
+    def mark_down(self) -> None:
+        with self.lock:
+            if self.down_since is None:
+                self.down_since = time.time()
+
+    def mark_up(self) -> None:
+        with self.lock:
+            self.down_since = None
+
+    def still_down(self, final: bool = False) -> bool:
+        """True if the API was seen down (or, before a final state, whatever was seen) and does not answer
+        now (one short probe). A final state is the flow's last word: Prefect's client would retry it for a
+        minute against a dead API, then the Failed state for that failure for another."""
+        if not self.down and not final:
+            return False
+        if api_answers():
+            self.mark_up()
+            return False
+        self.mark_down()
+        return True
+
+    def keep(self, state: Any, flow_run_id: Any) -> Any:
+        """The state the flow engine proposed, accepted here because the API does not answer."""
+        self.kept_states.append(str(state.type.value))
+        say(f"flow run {flow_run_id} is {state.type.value} here; Prefect's API does not answer, so that "
+            "state is not recorded there")
+        _note_unrecorded({"flow_run_id": str(flow_run_id), "flow_run_state": state.type.value})
+        return state
+
+
+outage = ApiOutage()
+
+
+def keep_state_when_unreachable(propose: Any, is_async: bool) -> Any:
+    """Wrap the flow engine's `propose_state[_sync]`: where the API does not answer, keep the state."""
+
+    def kept_or_none(state: Any, kwargs: dict[str, Any]) -> Any:
+        flow_run_id = kwargs.get("flow_run_id")
+        return outage.keep(state, flow_run_id) if flow_run_id is not None else None
+
+    if is_async:
+        async def propose_state(client: Any, state: Any, *args: Any, **kwargs: Any) -> Any:
+            import anyio
+
+            if "flow_run_id" in kwargs and await anyio.to_thread.run_sync(outage.still_down, state.is_final()):
+                return kept_or_none(state, kwargs)
+            try:
+                return await propose(client, state, *args, **kwargs)
+            except Exception as exc:
+                if "flow_run_id" not in kwargs or not is_outage_error(exc):
+                    raise
+                outage.mark_down()
+                return kept_or_none(state, kwargs)
+
+        return propose_state
+
+    def propose_state_sync(client: Any, state: Any, *args: Any, **kwargs: Any) -> Any:
+        if "flow_run_id" in kwargs and outage.still_down(state.is_final()):
+            return kept_or_none(state, kwargs)
+        try:
+            return propose(client, state, *args, **kwargs)
+        except Exception as exc:
+            if "flow_run_id" not in kwargs or not is_outage_error(exc):
+                raise
+            outage.mark_down()
+            return kept_or_none(state, kwargs)
+
+    return propose_state_sync
+
+
+def api_down() -> bool:
+    """Whether the API is known down (by the last look) or does not answer now."""
+    return outage.down or not api_answers()
+
+
+def install() -> None:
+    """Keep flow states through an outage in this process (idempotent)."""
+    from hpc_garage.compat import keep_flow_states
+
+    keep_flow_states(keep_state_when_unreachable)
+
+
+def drop_unsent() -> tuple[int, int]:
+    """The API is gone: drop the events and log lines this process still queues for it (each would be
+    retried against it at exit, holding the process); how many of each."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    from hpc_garage.compat import drop_queued
+
+    outage.mark_down()
+    # what is queued after this (the flow run's last events and log lines) is tried once, not for a minute
+    # each: Prefect's services read their settings from the environment (their thread has no settings context)
+    os.environ["PREFECT_CLIENT_MAX_RETRIES"] = "0"
+    return drop_queued(EventsWorker), drop_queued(APILogWorker)
+
+
+def report_at_flow_end(finished_task_runs: list[Any], results: str | None, dask_client: Any = None) -> None:
+    """The API does not answer at the end of the flow: drop what Prefect still queues for it, here and on
+    every worker, and say what was not recorded (called by the task runner instead of waiting for the
+    records)."""
+    from prefect.context import FlowRunContext
+
+    counts = [drop_unsent()]
+    if dask_client is not None:
+        try:
+            answers = dask_client.run(drop_unsent, on_error="return")
+            counts += [c for c in answers.values() if isinstance(c, tuple)]
+        except Exception:  # noqa: BLE001 - the workers' queues only cost time at their exit
+            pass
+    events, logs = sum(c[0] for c in counts), sum(c[1] for c in counts)
+    context = FlowRunContext.get()
+    flow_run_id = str(context.flow_run.id) if context and context.flow_run else None
+    where = _note_unrecorded({"flow_run_id": flow_run_id, "task_run_ids": [str(i) for i in finished_task_runs],
+                              "events_dropped": events, "log_lines_dropped": logs})
+    kept = f"; results are on disk in {results}" if results else ""
+    say(f"Prefect's API does not answer: {len(finished_task_runs)} finished task runs may be missing from it, "
+        f"and {events} events and {logs} log lines queued for it were dropped{kept}"
+        + (f"; the unrecorded runs are listed in {where}" if where else ""))
+
+
+def _note_unrecorded(entry: dict[str, Any]) -> Path | None:
+    """Add to the run directory's `unrecorded.json` (under `hpc-garage run`), where a user finds what the API
+    lacks; None elsewhere."""
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    if not run_dir or not os.path.isdir(run_dir):
+        return None
+    from hpc_garage.files import write_private
+
+    path = Path(run_dir) / "unrecorded.json"
+    try:
+        data = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        data = {}
+    for key, value in entry.items():
+        if value is None:
+            continue
+        if isinstance(value, list):
+            data[key] = list(dict.fromkeys([*data.get(key, []), *value]))
+        elif isinstance(value, int) and not isinstance(value, bool):
+            data[key] = data.get(key, 0) + value
+        else:
+            data[key] = value
+    data["api_url"] = os.environ.get("PREFECT_API_URL")
+    data["updated"] = time.time()
+    write_private(path, json.dumps(data, indent=1))
+    return path

@@ -1,0 +1,123 @@
+"""Prefect's API failing under a running sweep (issue 11), on the real local SLURM, against a Prefect server
+started for these tests only (its own PREFECT_HOME and port; the job gets its PREFECT_API_URL):
+- the server SIGKILLed mid-sweep: the job exits 0 with the right result within a minute of the work ending,
+  and its log says what was not recorded (hpc_garage/prefect/outage.py);
+- the job cancelled mid-sweep: the flow run is in a final state in the API.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.slurm_jobs import exit_code, wait_gone
+from tests.test_faults import SWEEP, runs, wait_marks
+
+PY = sys.executable
+TRIALS, DURATION = 12, 2.0  # 2 GPU workers on one node: about 12 s of work
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+
+class Server:
+    def __init__(self, home: Path) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}/api"
+        env = {**os.environ, "PREFECT_HOME": str(home), "DO_NOT_TRACK": "1", "PREFECT_SERVER_UI_ENABLED": "false",
+               "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+        env.pop("PREFECT_API_URL", None)
+        self.process = subprocess.Popen([PY, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port",
+                                         str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                        start_new_session=True)
+        deadline = time.monotonic() + 90
+        while not self.answers():
+            assert self.process.poll() is None and time.monotonic() < deadline, "the test's Prefect server did not start"
+            time.sleep(0.3)
+
+    def answers(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)  # its own session: the server and its children
+            self.process.wait()
+
+    def flow_runs(self) -> list[dict]:
+        return httpx.post(f"{self.url}/flow_runs/filter", json={}, timeout=10).json()
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[Server]:
+    s = Server(tmp_path / "prefect-home")
+    yield s
+    s.kill()
+
+
+def submit_sweep(tmp_path: Path, server: Server) -> tuple[str, Path, Path, Path]:
+    marks, out = tmp_path / "marks", tmp_path / "out.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "PBS_", "HPC_GARAGE"))}
+    env["PREFECT_API_URL"] = server.url
+    done = subprocess.run([PY, "-m", "hpc_garage", "submit", "--site", "lab-gpu", "--nodes", "1", "--gpus-per-node",
+                           "2", "--time", "10", str(SWEEP), "--trials", str(TRIALS), "--duration", str(DURATION),
+                           "--marks", str(marks), "--out", str(out)],
+                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    job, log = re.search(r"submitted job (\S+)", done.stdout), re.search(r"log: (\S+)", done.stdout)
+    assert job and log, done.stdout
+    return job.group(1), marks, out, Path(log.group(1))
+
+
+def gone_at(job: str, timeout: float) -> tuple[str, float]:
+    final = wait_gone(job, timeout)
+    return final, time.time()
+
+
+def test_the_api_killed_mid_sweep_leaves_the_sweep_its_own_outcome(tmp_path: Path, server: Server) -> None:
+    job, marks, out, log_path = submit_sweep(tmp_path, server)
+    wait_marks(marks, "done", 2, timeout=150)
+    server.kill()
+    killed = time.time()
+    final, ended = gone_at(job, 240)
+    log = log_path.read_text(errors="replace")
+    assert exit_code(final) == 0, log[-4000:]
+    assert json.loads(out.read_text())["result"] == sum(i * i for i in range(TRIALS))
+    assert set(runs(marks, "done")) == set(range(TRIALS))
+    work_ended = out.stat().st_mtime  # the flow wrote its result: the work is over
+    print(f"API killed {work_ended - killed:.1f} s before the work ended; job gone {ended - work_ended:.1f} s after")
+    assert ended - work_ended < 60, (ended - work_ended, log[-4000:])
+    said = re.search(r"Prefect's API does not answer: (\d+) finished task runs may be missing from it, and (\d+) "
+                     r"events and (\d+) log lines", log)
+    assert said and int(said.group(1)) == TRIALS + 1, log[-4000:]  # every trial and the total
+    assert re.search(r"flow run \S+ is COMPLETED here; Prefect's API does not answer", log), log[-4000:]
+    unrecorded = json.loads((Path.home() / ".hpc-garage" / "runs" / job / "unrecorded.json").read_text())
+    assert unrecorded["flow_run_state"] == "COMPLETED" and len(unrecorded["task_run_ids"]) == TRIALS + 1
+
+
+def test_a_cancelled_job_leaves_its_flow_run_in_a_final_state(tmp_path: Path, server: Server) -> None:
+    job, marks, out, log_path = submit_sweep(tmp_path, server)
+    wait_marks(marks, "done", 2, timeout=150)
+    cancel = subprocess.run([PY, "-m", "hpc_garage", "cancel", job], capture_output=True, text=True, timeout=60)
+    assert cancel.returncode == 0, cancel.stdout + cancel.stderr
+    wait_gone(job, 60)
+    flow_runs = server.flow_runs()
+    assert len(flow_runs) == 1, flow_runs
+    assert flow_runs[0]["state_type"] in ("CRASHED", "CANCELLED"), (flow_runs[0]["state_type"],
+                                                                    log_path.read_text(errors="replace")[-4000:])
+    assert not (Path.home() / ".hpc-garage" / "runs" / job / "scheduler.json").exists()
+    assert not (Path.home() / ".hpc-garage" / "runs" / job / "tls").exists()
