@@ -148,3 +148,21 @@ def test_status_mid_sweep_shows_progress_that_moves(tmp_path: Path) -> None:
     assert any(line.startswith("Prefect flow run ") for line in lines) and "\r" not in out, out
     final = json.loads(hpcg(["status", job, "--json"], tmp_path).stdout)["run"]["progress"]
     assert (final["done"], final["failed"], final["running"], final["waiting"]) == (13, 0, 0, 0)  # 12 + aggregate
+
+
+def test_wait_line_is_rewritten_on_a_terminal_and_appended_when_piped() -> None:
+    import io
+
+    from hpc_garage.schedulers.submission import progress_line
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    for stream, expected in ((Terminal(), "\r\x1b[Kjob 1 running: a\r\x1b[Knote\n\r\x1b[Kjob 1 running: b"),
+                             (io.StringIO(), "job 1 running: a\nnote\njob 1 running: b\n")):
+        line = progress_line(stream)
+        line("job 1 running: a")
+        line.note("note")
+        line("job 1 running: b")
+        assert stream.getvalue() == expected
