@@ -64,7 +64,7 @@ def test_scheduler_counts_done_running_failed_waiting_and_busy_gpus(monkeypatch:
                 await until(lambda: progress.figures()["running"] == 1)
                 mid = progress.figures()
                 assert (mid["done"], mid["failed"], mid["waiting"]) == (0, 2, 2), mid
-                assert (mid["gpus_busy"], mid["gpus"]) == (1, 1)
+                assert (mid["gpus_busy"], mid["gpus"]) == (1, 1) and mid["eta"] > 0 and mid["elapsed"] > 0
                 await c.gather(held)
                 await until(lambda: progress.figures()["done"] == 3 and not progress.figures()["running"])
                 end = progress.figures()
