@@ -188,7 +188,8 @@ def test_workers_retire_before_the_walltime_and_are_replaced_ahead(tmp_path: Pat
     assert len(records) == 30 and len({r["job"] for r in records}) >= 2
     events = [(e["event"], e["job"]) for e in worker_jobs(run_dir_of(done.stderr))["events"]]
     first_expiring = events.index(("expiring", "jq-life-0"))
-    assert events[first_expiring + 1] == ("submitted", "jq-life-1")
+    # its replacement is submitted in the same step (a 12-s life drains at once: its window is past half of it)
+    assert ("submitted", "jq-life-1") in events[first_expiring + 1:first_expiring + 3], events
     assert events.index(("submitted", "jq-life-1")) < events.index(("retired", "jq-life-0"))  # drained, retired
 
 
