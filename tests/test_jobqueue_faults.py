@@ -241,4 +241,5 @@ def test_worker_jobs_leave_the_queue_within_a_minute_of_a_run_killed_outright(tm
     leftover = in_queue(sorted(ours))
     if leftover:
         subprocess.run(["scancel", *leftover])
+    print(f"worker jobs left the queue {gone:.1f} s after `run` was killed")
     assert len(ours) == 2 and not leftover and gone <= 60, (ours, leftover, gone)
