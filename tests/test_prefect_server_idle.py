@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -64,6 +66,15 @@ def wait_until(check, timeout: float) -> bool:  # noqa: ANN001
     return bool(check())
 
 
+def count_flow_runs(state: dict, kind: str) -> int:
+    token = base64.b64encode(state["auth"].encode()).decode()
+    body = json.dumps({"flow_runs": {"state": {"type": {"any_": [kind]}}}}).encode()
+    request = urllib.request.Request(f"{state['url']}/flow_runs/count", data=body, method="POST", headers={
+        "Authorization": f"Basic {token}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return int(json.loads(response.read()))
+
+
 def answers(url: str) -> bool:
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=3):
@@ -79,10 +90,13 @@ def test_an_idle_server_leaves_and_the_next_run_starts_a_fresh_one(home: Path) -
                f"os.environ.update(ensure_api(timeout={START}))\n"
                "from prefect import flow\n"
                "@flow\ndef broken():\n    raise RuntimeError('trial failed')\n"
-               "broken(return_state=True)\nprint('flow done')")
+               "broken(return_state=True)\nprint('flow done', flush=True)\n"
+               "@flow\ndef killed():\n    os._exit(9)\n"  # its flow run stays RUNNING: nobody ends it
+               "killed()")
     done = in_child(failing)
-    assert "flow done" in done.stdout, done.stderr[-2000:]
+    assert "flow done" in done.stdout and done.returncode == 9, done.stderr[-2000:]
     first = json.loads((state_dir() / "server.json").read_text())
+    assert count_flow_runs(first, "RUNNING") == 1 and count_flow_runs(first, "FAILED") == 1
     status = server_status()
     assert status["running"] and status["database"] == "sqlite" and status["idle_timeout_s"] == 3
     assert status["uptime_s"] >= 0 and status["idle_s"] >= 0
@@ -112,9 +126,12 @@ def test_a_server_in_use_stays(home: Path) -> None:
     try:
         api = json.loads(holder.stdout.readline())
         time.sleep(10)  # more than three idle limits
-        status = server_status()
+        shown = subprocess.run([sys.executable, "-m", "hpc_garage", "server", "status"], capture_output=True,
+                               text=True, cwd=ROOT, check=True)
+        status = json.loads(shown.stdout)  # what `hpc-garage server status` prints
         assert status["running"] and status["healthy"], status
-        assert status["idle_s"] < 3
+        assert status["idle_s"] < 3 and status["idle_timeout_s"] == 3 and status["uptime_s"] >= 10
+        assert status["database"] == "sqlite" and "auth" not in shown.stdout
         assert answers(api["PREFECT_API_URL"])
     finally:
         holder.kill()
@@ -195,3 +212,14 @@ def test_postgresql_in_user_space(home: Path, monkeypatch: pytest.MonkeyPatch) -
         stop_server()
         if os.geteuid() == 0:
             shutil.rmtree(postgres.base, ignore_errors=True)  # outside HOME: /var/tmp
+
+
+def test_a_socket_path_too_long_for_unix_sockets_moves_to_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)  # as a user: the database lives in the state directory
+    deep = tmp_path / ("d" * 90)
+    postgres = prefect_server.ManagedPostgres(deep)
+    assert postgres.data == deep / "postgres" / "data"
+    assert postgres.socket_dir.parent == Path(tempfile.gettempdir())
+    assert postgres.socket_dir.name.startswith(f"hpc-garage-pg-{os.getuid()}-")
+    assert len(str(postgres.socket_dir / ".s.PGSQL.5432")) <= 100
+    assert prefect_server.ManagedPostgres(tmp_path).socket_dir == tmp_path / "postgres" / "run"
