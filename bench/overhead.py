@@ -27,6 +27,7 @@ from bench.common import PYTHON, SCRIPTS, Figure, Phases, compare, cpu_seconds, 
 
 GROUP = "per-task overhead: {n} trivial tasks, 2 workers x 1 thread"
 OURS = "hpc-garage task_runner()"
+SWEPT = "hpc-garage task_runner(), results persisted + sweep cache"
 PLAIN = "prefect-dask DaskTaskRunner(address=...)"
 RAW = "raw Client.map (no Prefect)"
 THREADS = "Prefect ThreadPoolTaskRunner(max_workers=2)"
@@ -104,8 +105,35 @@ def _measure(info: dict[str, Any], n: int, runs: int, server_pid: int) -> dict[s
         assert values == list(range(count))
         return {"inner": inner, "wall": inner}
 
+    results = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-sweep-results-{os.getpid()}"
+    stored: list[float] = []  # bytes per trial, per run
+
+    def swept_run(count: int) -> dict[str, Any]:
+        """As `hpc-garage run` sets a sweep up: every trial's result persisted, keyed to a fresh sweep epoch
+        (each run stores all its trials; none is read back)."""
+        import shutil
+        import uuid
+
+        from hpc_garage.variables import RESULTS_ENV, SWEEP_ENV
+
+        directory = results / uuid.uuid4().hex
+        directory.mkdir(parents=True)
+
+        os.environ.update({SWEEP_ENV: f"bench-{directory.name}@1", RESULTS_ENV: str(directory)})
+        try:  # the runner reads them when made (and when Prefect duplicates it for the flow run)
+            result = prefect_run(lambda: hpc_garage.task_runner(address=address), count)
+            files = [p for p in directory.iterdir() if p.is_file()]
+            assert len(files) >= count, f"{len(files)} results stored for {count} trials"
+            stored.append(sum(p.stat().st_size for p in files) / count)
+            return result
+        finally:
+            os.environ.pop(SWEEP_ENV, None)
+            os.environ.pop(RESULTS_ENV, None)
+            shutil.rmtree(directory, ignore_errors=True)
+
     contenders = {
         OURS: lambda count: prefect_run(lambda: hpc_garage.task_runner(address=address), count),
+        SWEPT: swept_run,
         PLAIN: lambda count: prefect_run(lambda: DaskTaskRunner(address=address), count),
         RAW: raw_run,
         THREADS: lambda count: prefect_run(lambda: ThreadPoolTaskRunner(max_workers=2), count),
@@ -133,9 +161,12 @@ def _measure(info: dict[str, Any], n: int, runs: int, server_pid: int) -> dict[s
             say(f"overhead run {i + 1}/{runs}: {name}: {n / result['inner']:.1f} tasks/s")
     group = GROUP.format(n=n)
     figures = [Figure(group, name, "tasks/s", [n / s["inner"] for s in samples[name]], ours=name == OURS,
-                      higher_is_better=True) for name in contenders]
+                      higher_is_better=True) for name in contenders if name != SWEPT]
     compare(figures, ">= 5x plain prefect-dask; within 3x of ThreadPoolTaskRunner",
             lambda ours, peers: (ours.ratios[PLAIN] >= 5) and ours.ratios[THREADS] >= 1 / 3)
+    swept = [Figure(group + ", results persisted", name, "tasks/s", [n / s["inner"] for s in samples[name]],
+                    ours=name == SWEPT, higher_is_better=True) for name in (SWEPT, PLAIN)]
+    compare(swept, ">= 5x plain prefect-dask (issue 10)", lambda ours, peers: ours.ratios[PLAIN] >= 5)
     wall_group = f"whole flow, {n} trivial tasks (flow start and end included; hpc-garage: until the API has them)"
     walls = [Figure(wall_group, name, "tasks/s", [n / s["wall"] for s in samples[name]], ours=name == OURS,
                     higher_is_better=True) for name in (OURS, PLAIN, THREADS)]
@@ -143,8 +174,9 @@ def _measure(info: dict[str, Any], n: int, runs: int, server_pid: int) -> dict[s
     recorded = [s["recorded"] for s in samples[OURS]]
     cpu = {name: {k: statistics.median(s["cpu_ms_per_task"][k] for s in samples[name]) for k in pids}
            for name in (OURS, PLAIN, THREADS)}
-    return {"figures": [f.to_dict() for f in figures + walls], "cpu_ms_per_task": cpu,
-            "recorded_in_api": recorded, "tasks": n}
+    return {"figures": [f.to_dict() for f in figures + swept + walls], "cpu_ms_per_task": cpu,
+            "recorded_in_api": recorded, "tasks": n,
+            "bytes_stored_per_trial": round(statistics.median(stored)) if stored else None}
 
 
 def _cpu(pid: int) -> float:

@@ -128,7 +128,12 @@ def test_submit_records_the_job(lab: Path, fake: FakeSlurm) -> None:
     assert record["cwd"] == str(lab / "work") and record["job_name"] == "flow"
     assert record["log"]["path"] == str(root / "42.out") and record["log"]["output"] == str(root / "%j.out")
     assert abs(record["submitted"] - time.time()) < 60
-    assert everything_under(root) == ["42", "42/job.sh", "42/submit.json"]
+    assert [p for p in everything_under(root) if not p.startswith("sweeps")] == ["42", "42/job.sh", "42/submit.json"]
+    sweep = record["sweep"]  # the job joined its sweep: a fresh epoch, recorded with how it joined
+    assert sweep["name"].startswith("flow-") and sweep["epoch"] == 1 and sweep["root"] == str(root / "sweeps")
+    book = json.loads((root / "sweeps" / sweep["name"] / "sweep.json").read_text())
+    assert [(j["job_id"], j["how"]) for j in book["epochs"]["1"]["jobs"]] == [("42", "submit")]
+    assert f"--sweep {sweep['name']} --sweep-epoch 1 --" in prepared.script
 
 
 def test_rejected_submission_leaves_nothing(lab: Path, fake: FakeSlurm) -> None:
