@@ -325,6 +325,19 @@ def keep_flow_states(wrap: Callable[[Any, bool], Any]) -> bool:
     return True
 
 
+def before_exit_drains(callback: Callable[[], None]) -> bool:
+    """Run `callback` as the interpreter begins to exit, before Prefect's queue services drain: they drain from
+    CPython's threading exit hooks (`threading._register_atexit`, run last-registered first, before `atexit`),
+    so a hook registered after them runs before them. False where CPython lacks it (nothing is done then)."""
+    import threading
+
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:
+        return False
+    register(callback)
+    return True
+
+
 @uses("prefect", "QueueService._instances / _instance_lock / _queue")
 def drop_queued(service: type) -> int:
     """Empty the queues of every running instance of a Prefect queue service (EventsWorker, APILogWorker)

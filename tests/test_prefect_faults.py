@@ -26,6 +26,8 @@ from tests.test_faults import SWEEP, runs, wait_marks
 
 PY = sys.executable
 TRIALS, DURATION = 12, 2.0  # 2 GPU workers on one node: about 12 s of work
+LONG = 6.0  # s per trial where the sweep must still be running when the test stops it (`hpc-garage cancel`
+#             alone took up to 20 s to start on this loaded 2-core machine)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -42,7 +44,7 @@ class Server:
         self.process = subprocess.Popen([PY, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port",
                                          str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                         start_new_session=True)
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + 180  # a fresh database is migrated first: 15-60 s here
         while not self.answers():
             assert self.process.poll() is None and time.monotonic() < deadline, "the test's Prefect server did not start"
             time.sleep(0.3)
@@ -69,12 +71,12 @@ def server(tmp_path: Path) -> Iterator[Server]:
     s.kill()
 
 
-def submit_sweep(tmp_path: Path, server: Server) -> tuple[str, Path, Path, Path]:
+def submit_sweep(tmp_path: Path, server: Server, duration: float = DURATION) -> tuple[str, Path, Path, Path]:
     marks, out = tmp_path / "marks", tmp_path / "out.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "PBS_", "HPC_GARAGE"))}
     env["PREFECT_API_URL"] = server.url
     done = subprocess.run([PY, "-m", "hpc_garage", "submit", "--site", "lab-gpu", "--nodes", "1", "--gpus-per-node",
-                           "2", "--time", "10", str(SWEEP), "--trials", str(TRIALS), "--duration", str(DURATION),
+                           "2", "--time", "10", str(SWEEP), "--trials", str(TRIALS), "--duration", str(duration),
                            "--marks", str(marks), "--out", str(out)],
                           capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -105,19 +107,46 @@ def test_the_api_killed_mid_sweep_leaves_the_sweep_its_own_outcome(tmp_path: Pat
                      r"events and (\d+) log lines", log)
     assert said and int(said.group(1)) == TRIALS + 1, log[-4000:]  # every trial and the total
     assert re.search(r"flow run \S+ is COMPLETED here; Prefect's API does not answer", log), log[-4000:]
-    unrecorded = json.loads((Path.home() / ".hpc-garage" / "runs" / job / "unrecorded.json").read_text())
+    unrecorded = json.loads((log_path.with_suffix("") / "unrecorded.json").read_text())  # runs/JOB.out -> runs/JOB/
     assert unrecorded["flow_run_state"] == "COMPLETED" and len(unrecorded["task_run_ids"]) == TRIALS + 1
 
 
 def test_a_cancelled_job_leaves_its_flow_run_in_a_final_state(tmp_path: Path, server: Server) -> None:
-    job, marks, out, log_path = submit_sweep(tmp_path, server)
+    job, marks, out, log_path = submit_sweep(tmp_path, server, LONG)
     wait_marks(marks, "done", 2, timeout=150)
     cancel = subprocess.run([PY, "-m", "hpc_garage", "cancel", job], capture_output=True, text=True, timeout=60)
     assert cancel.returncode == 0, cancel.stdout + cancel.stderr
     wait_gone(job, 60)
+    assert not out.exists()  # it was stopped mid-sweep
     flow_runs = server.flow_runs()
     assert len(flow_runs) == 1, flow_runs
     assert flow_runs[0]["state_type"] in ("CRASHED", "CANCELLED"), (flow_runs[0]["state_type"],
                                                                     log_path.read_text(errors="replace")[-4000:])
-    assert not (Path.home() / ".hpc-garage" / "runs" / job / "scheduler.json").exists()
-    assert not (Path.home() / ".hpc-garage" / "runs" / job / "tls").exists()
+    run_dir = log_path.with_suffix("")
+    assert run_dir.is_dir() and not (run_dir / "scheduler.json").exists() and not (run_dir / "tls").exists()
+
+
+def flow_process(marks: Path) -> int:
+    """The pid of the sweep's own Python process (COMMAND), not `run`'s."""
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if str(marks) in argv and any(a.endswith("fault_sweep.py") for a in argv) and "hpc_garage" not in argv:
+            return int(entry.name)
+    raise AssertionError("no flow process")
+
+
+def test_a_killed_flow_process_leaves_no_running_flow_run(tmp_path: Path, server: Server) -> None:
+    """SIGKILL gives the flow no chance to say Crashed; `run` says it for it."""
+    job, marks, out, log_path = submit_sweep(tmp_path, server, LONG)
+    wait_marks(marks, "done", 2, timeout=150)
+    time.sleep(3)  # `run` learns the flow run from a finished trial (every 2 s)
+    os.kill(flow_process(marks), signal.SIGKILL)
+    final = wait_gone(job, 120)
+    log = log_path.read_text(errors="replace")
+    assert exit_code(final) != 0 and not out.exists(), log[-4000:]
+    flow_runs = server.flow_runs()
+    assert [r["state_type"] for r in flow_runs] == ["CRASHED"], (flow_runs, log[-4000:])
+    assert re.search(r"flow run \S+ set Crashed in Prefect's API \(COMMAND ended, exit code 137\)", log), log[-4000:]

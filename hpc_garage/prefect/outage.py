@@ -9,13 +9,14 @@ retried at exit) each spent that minute, and the job exited 1 after 5.5 min (mea
 tests/test_prefect_faults.py's sweep). The work was done and its results were on disk; only Prefect's
 records of it were missing.
 
-What changes, only while the API does not answer (a GET /health with a short timeout, no retries):
+What changes, only while the API does not answer (a GET /health with a short timeout and no retries fails to
+connect or times out; a busy server's 503 is an answer):
 - flow side: the flow run's state proposals are kept locally instead of raising, so the flow ends in its own
   state and returns its own result (`keep_flow_states`, installed by the task runner);
 - at the end of the flow the task runner does not wait for the task runs to be recorded; it drops the events
   and log lines Prefect still queues, in the flow process and on every worker (each would be retried against
-  the dead API at exit, a minute per batch: measured, the flow process took 78 s to exit after its last
-  state), sets PREFECT_CLIENT_MAX_RETRIES=0 for what is sent after that, and says how many records were not
+  the dead API at exit: measured, the flow process took 78 s to exit after its last state), drops what is
+  queued after that again as the process exits, and says how many records were not
   written and where the list of unrecorded runs was kept (the run directory's `unrecorded.json`);
 - worker side: a trial's tag-concurrency check (Prefect asks the API before every task whose tags it has not
   seen limit-free within a minute) uses the last answer this process got for those tags when the API does not
@@ -56,7 +57,7 @@ def is_outage_error(exc: BaseException) -> bool:
 
 
 def api_answers(timeout: float = PROBE_TIMEOUT) -> bool:
-    """Whether Prefect's API answers at all now (any HTTP status below 500), with no retries."""
+    """Whether Prefect's API answers at all now, with no retries: a connection error or timeout does not."""
     from prefect.settings import get_current_settings
 
     api = get_current_settings().api
@@ -74,7 +75,8 @@ def api_answers(timeout: float = PROBE_TIMEOUT) -> bool:
                              verify=api.tls_insecure_skip_verify is False)
     except httpx.HTTPError:
         return False
-    return response.status_code < 500
+    return response.status_code != 502  # a busy server's 503 is an answer (Prefect's client retries it); a
+    # proxy's 502 says the API behind it is gone
 
 
 class ApiOutage:
@@ -171,19 +173,33 @@ def install() -> None:
     keep_flow_states(keep_state_when_unreachable)
 
 
+_exit_hooked: list[bool] = []
+
+
 def drop_unsent() -> tuple[int, int]:
     """The API is gone: drop the events and log lines this process still queues for it (each would be
     retried against it at exit, holding the process); how many of each."""
     from prefect.events.worker import EventsWorker
     from prefect.logging.handlers import APILogWorker
 
+    from hpc_garage.compat import before_exit_drains, drop_queued
+
+    if not _exit_hooked:
+        _exit_hooked.append(before_exit_drains(_drop_at_exit))  # what is queued after this: the last events, logs
+    outage.mark_down()
+    return drop_queued(EventsWorker), drop_queued(APILogWorker)
+
+
+def _drop_at_exit() -> None:
+    """At exit, while the API is still known down: each event queued for it would try 10 reconnections
+    (measured: the flow process spent 78 s on them after its last state)."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
     from hpc_garage.compat import drop_queued
 
-    outage.mark_down()
-    # what is queued after this (the flow run's last events and log lines) is tried once, not for a minute
-    # each: Prefect's services read their settings from the environment (their thread has no settings context)
-    os.environ["PREFECT_CLIENT_MAX_RETRIES"] = "0"
-    return drop_queued(EventsWorker), drop_queued(APILogWorker)
+    if outage.down and not api_answers(1.0):
+        drop_queued(EventsWorker), drop_queued(APILogWorker)
 
 
 def report_at_flow_end(finished_task_runs: list[Any], results: str | None, dask_client: Any = None) -> None:
