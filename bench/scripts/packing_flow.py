@@ -33,14 +33,14 @@ def where() -> dict:
 
 
 @task(tags=hpc_garage.resources(gpu=1))
-def gpu_trial(i: int, seconds: float) -> dict:
+def gpu_trial(i: int, seconds: float, repeat: int) -> dict:
     start = time.time()
     time.sleep(seconds)
     return {"kind": "gpu", "i": i, "start": start, "end": time.time(), **where()}
 
 
 @task
-def cpu_trial(i: int, seconds: float) -> dict:
+def cpu_trial(i: int, seconds: float, repeat: int) -> dict:
     start = time.time()
     time.sleep(seconds)
     return {"kind": "cpu", "i": i, "start": start, "end": time.time(), **where()}
@@ -94,10 +94,12 @@ def main() -> None:
         runner = hpc_garage.task_runner()
 
     @flow(task_runner=runner)
-    def sweep(seconds: float = args.seconds) -> dict:
+    # `repeat` makes each sweep's trials new inputs: under `hpc-garage run` a sweep's trials are cached by their
+    # inputs (durable sweeps), and a repeated sweep would read the first one's records instead of running
+    def sweep(seconds: float = args.seconds, repeat: int = 0) -> dict:
         start = time.time()
-        gpu = gpu_trial.map(range(args.gpu_trials), unmapped(seconds))
-        cpu = cpu_trial.map(range(args.cpu_trials), unmapped(seconds))
+        gpu = gpu_trial.map(range(args.gpu_trials), unmapped(seconds), unmapped(repeat))
+        cpu = cpu_trial.map(range(args.cpu_trials), unmapped(seconds), unmapped(repeat))
         total = aggregate.submit([*gpu, *cpu], args.aggregate_seconds).result()
         end = time.time()
         trials = [f.result() for f in [*gpu, *cpu]]
@@ -105,7 +107,7 @@ def main() -> None:
                 "aggregate": total}
 
     warmup = sweep(seconds=0.1)  # imports Prefect into every worker process: not counted
-    runs = [sweep() for _ in range(args.runs)]
+    runs = [sweep(repeat=r + 1) for r in range(args.runs)]
     with open(args.out, "w") as out:
         json.dump({"runs": runs, "warmup_makespan": warmup["makespan"], "threads": _threads(runner)}, out)
     if cluster is not None:
