@@ -51,7 +51,8 @@ def measure(n: int, runs: int) -> dict[str, Any]:
     with PHASES("Prefect server and cluster up"):
         api = ensure_api()
     use_api(api)
-    server_pid = int(server_status().get("pid") or 0)
+    status = server_status()
+    server_pid = int(status.get("server_pid") or status.get("pid") or 0)  # the server itself, not its keeper
     info_file = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-cluster-{os.getpid()}.json"
     cluster = subprocess.Popen([PYTHON, str(SCRIPTS / "cluster.py"), "--workers", "2", "--threads", "1",
                                 "--out", str(info_file)], stdin=subprocess.PIPE, env={**os.environ, **api})

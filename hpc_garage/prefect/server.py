@@ -165,6 +165,8 @@ def server_status(host: str = LOOPBACK) -> dict[str, Any]:
                    "database": state.database, "uptime_s": round(now - state.started, 1)}
         if alive:
             status |= {"idle_s": round(max(0.0, now - last), 1), "idle_timeout_s": state.idle_timeout}
+            if activity.get("pid") == state.pid and activity.get("server_pid"):
+                status["server_pid"] = int(activity["server_pid"])  # `prefect server start`, beside its keeper
     return status
 
 
@@ -484,6 +486,13 @@ def _watch(directory: Path, state: ServerState, server: subprocess.Popen[bytes],
     files only after this one has let go of them."""
     interval = max(0.5, min(30.0, idle / 6))
     last_use, seen = time.time(), None
+
+    def record(now: float) -> None:
+        write_private(directory / "activity.json", json.dumps(
+            {"pid": state.pid, "server_pid": server.pid, "last_activity": last_use, "checked": now,
+             "idle_timeout": idle}))
+
+    record(last_use)
     while True:
         time.sleep(interval)
         now = time.time()
@@ -497,8 +506,7 @@ def _watch(directory: Path, state: ServerState, server: subprocess.Popen[bytes],
         if counts is None or counts != seen:  # runs moved, or too busy to answer
             last_use, seen = now, counts
         last_use = max(last_use, _leases_last_use(directory, now))
-        write_private(directory / "activity.json", json.dumps(
-            {"pid": state.pid, "last_activity": last_use, "checked": now, "idle_timeout": idle}))
+        record(now)
         if now - last_use < idle:
             continue
         with _locked(directory / "lock"):  # ensure_server waits: nobody is handed a server that is leaving
