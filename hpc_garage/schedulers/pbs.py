@@ -146,15 +146,16 @@ class Pbs(BatchSystem):
     def cancel_argv(self, job_id: str) -> list[str]:
         return ["qdel", job_id]
 
-    def time_left(self, job_id: str) -> tuple[float, float] | None:
+    def time_left(self, job_id: str, qstat_f: Callable[[str], str] = _qstat_f) -> tuple[float, float] | None:
         """The walltime limit less the walltime used, from `qstat -f`."""
-        info = parse_qstat_f(_qstat_f(job_id))
+        info = parse_qstat_f(qstat_f(job_id))
+        used = info.get("resources_used.walltime", "")
         try:
             limit = parse_walltime(info["Resource_List.walltime"])
-            used = parse_walltime(info["resources_used.walltime"]) if info.get("resources_used.walltime") else 0
-        except (KeyError, UserError):
+            used_seconds = 0 if set(used) <= set("0:") else parse_walltime(used)
+        except (KeyError, UserError, ValueError):
             return None
-        return float(max(0, limit - used)), float(limit)
+        return float(max(0, limit - used_seconds)), float(limit)
 
     def follow_up_argv(self, script: Path, after_job_id: str | None, output: str) -> list[str]:
         after = ["-W", f"depend=afterany:{after_job_id}"] if after_job_id else []

@@ -1,0 +1,103 @@
+"""The job's clock and the wind-down's decisions (cluster/wind_down.py, schedulers' time_left and follow-up
+submission), without a cluster: what SLURM and PBS say of the time left, the margin, the exit code."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hpc_garage.cluster.wind_down import EX_TEMPFAIL, WindDown, margin_for
+from hpc_garage.core.site import Site
+from hpc_garage.schedulers.pbs import Pbs
+from hpc_garage.schedulers.slurm import Slurm
+
+QSTAT = Path(__file__).parent / "data" / "qstat-f.txt"
+
+
+def site(**extra: Any) -> Site:
+    return Site.model_validate({"name": "t", "scheduler": "slurm", "node": {"cores": 4, "memory": "8GiB"}, **extra})
+
+
+@pytest.mark.parametrize(("squeue", "expected"), [
+    ("1:30|2:00\n", (90.0, 120.0)),
+    ("1-00:00:05|2-00:00:00\n", (86405.0, 172800.0)),
+    ("0:00|1:00\n", (0.0, 60.0)),
+    ("UNLIMITED|UNLIMITED\n", None),
+    ("INVALID|NOT_SET\n", None),
+    ("", None),
+])
+def test_slurm_time_left_from_squeue(squeue: str, expected: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    asked: list[list[str]] = []
+    monkeypatch.setattr(Slurm, "run_unless_gone", lambda self, argv, gone: asked.append(list(argv)) or squeue)
+    assert Slurm().time_left("42") == expected
+    assert asked == [["squeue", "-h", "-j", "42", "-o", "%L|%l"]]
+
+
+def test_pbs_time_left_is_the_limit_less_the_walltime_used() -> None:
+    text = QSTAT.read_text()
+    assert Pbs().time_left("13", qstat_f=lambda _: text) == (600.0, 600.0)  # walltime 00:10:00, none used yet
+    used = text + "\tresources_used.walltime = 00:04:10\n"
+    assert Pbs().time_left("13", qstat_f=lambda _: used) == (350.0, 600.0)
+    assert Pbs().time_left("13", qstat_f=lambda _: "") is None  # qstat could not say
+
+
+def test_follow_up_jobs_start_after_the_job_however_it_ended(tmp_path: Path) -> None:
+    script = tmp_path / "job.sh"
+    assert Slurm().follow_up_argv(script, "42", "x.out") == ["sbatch", "--parsable", "--dependency=afterany:42",
+                                                             str(script)]
+    assert Slurm().follow_up_argv(script, None, "x.out") == ["sbatch", "--parsable", str(script)]
+    assert Pbs().follow_up_argv(script, "7.srv", "/l/x.out") == ["qsub", "-W", "depend=afterany:7.srv", "-j", "oe",
+                                                                 "-o", "/l/x.out", str(script)]
+
+
+def test_restart_count_is_read_from_slurm() -> None:
+    assert Slurm().restart_count({"SLURM_RESTART_COUNT": "2"}) == 2
+    assert Slurm().restart_count({}) == 0 and Pbs().restart_count({"SLURM_RESTART_COUNT": "2"}) == 0
+
+
+@pytest.mark.parametrize(("given", "limit", "margin"), [
+    (None, 3600, 180),  # 5 % of the limit
+    (None, 600, 30),  # at least 30 s ...
+    (None, 86400 * 2, 600),  # ... at most 10 min
+    ("2min", 3600, 120),  # the site's
+    ("30min", 1800, 900),  # never more than half the limit
+])
+def test_margin(given: str | None, limit: int, margin: int) -> None:
+    extra = {"walltime_margin": given} if given else {}
+    assert margin_for(site(**extra), limit) == margin
+
+
+def test_a_bare_margin_is_minutes_as_every_walltime_is() -> None:
+    assert site(walltime_margin=20).walltime_margin == 1200 and site(walltime_margin="20s").walltime_margin == 20
+
+
+def test_exit_codes_and_a_follow_up_job_that_is_no_longer_needed() -> None:
+    cancelled: list[str] = []
+    said: list[str] = []
+    ending = WindDown(site(requeue="auto"), "42", None, None, cancelled.append)
+    ending.bind(said.append, lambda **kw: None)
+    assert ending.exit_code(3) == 3  # not stopped: COMMAND's own code
+    ending.next_job = "43"  # the sweep finished during the wind-down: its follow-up is cancelled
+    assert ending.exit_code(0) == 0 and cancelled == ["43"] and "follow-up job 43 cancelled" in said[-1]
+    ending.stopped, ending.next_job = True, "44"
+    assert ending.exit_code(143) == 0  # stopped and handed on
+    ending.next_job = None
+    assert ending.exit_code(143) == EX_TEMPFAIL  # stopped, nobody carries it on: resume it
+
+
+@pytest.mark.parametrize("value", ["KILL@60", "USR1", "USR1@0", "USR1@-5", "usr1@60"])
+def test_a_warning_signal_must_be_one_run_winds_down_on(value: str) -> None:
+    with pytest.raises(ValueError, match="warning_signal"):
+        site(warning_signal=value)
+
+
+def test_the_job_script_asks_for_the_warning_signal_and_requeue(tmp_path: Path) -> None:
+    from hpc_garage.core.request import Request
+    from hpc_garage.schedulers.jobscript import job_spec, render
+
+    spec, _ = job_spec(site(warning_signal="USR1@300", requeue="auto"), Request(), script="/w/s.py",
+                       output="/w/%j.out", workdir="/w", python="/usr/bin/python3")
+    text = render(spec)
+    assert "#SBATCH --signal=B:USR1@300" in text and "#SBATCH --requeue" in text
