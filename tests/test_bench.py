@@ -116,3 +116,37 @@ def test_scaling_model_reads_the_probe_samples_and_fits_cpu_per_worker() -> None
     assert one["first_worker"] == pytest.approx(2.0) and one["registered"] == pytest.approx(3.4)
     assert one["window_cpu"] == pytest.approx(0.5) and one["cpu_per_worker"] == pytest.approx(0.5 / 3)
     assert fit([(3, 0.5), (7, 0.9), (15, 1.7)]) == (pytest.approx(0.2), pytest.approx(0.1))
+
+
+@pytest.mark.skipif(common.slurm_problem() is not None, reason="no local SLURM (scripts/local-slurm up)")
+def test_local_slurm_brings_up_a_second_named_cluster_beside_the_default(tmp_path: Path) -> None:
+    """README: `scripts/local-slurm up --name NAME --nodes N` is a separate cluster reached through SLURM_CONF;
+    the default cluster (its controller, its nodes) is left exactly as it was."""
+    import os
+
+    import shutil
+    import tempfile
+
+    script, name = str(ROOT / "scripts" / "local-slurm"), "bt"
+    lab = Path(tempfile.mkdtemp(prefix="hg-ls-", dir="/tmp"))  # short: slurmd's socket paths must fit 108 bytes
+    env = {**os.environ, "LAB": str(lab), "FAKE_GPUS": "1"}
+    default_nodes = subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True).stdout
+    ctld = (Path("/tmp/hpc-garage-slurm/run/slurmctld.pid").read_text().strip()
+            if Path("/tmp/hpc-garage-slurm/run/slurmctld.pid").exists() else None)
+    try:
+        up = subprocess.run(["bash", script, "up", "--name", name, "--nodes", "1"], env=env, capture_output=True,
+                            text=True, timeout=120)
+        assert up.returncode == 0, up.stderr[-500:]
+        conf = lab / "etc" / "slurm.conf"
+        assert f"SLURM_CONF={conf}" in up.stderr and "ClusterName=bt" in conf.read_text()
+        ran = subprocess.run(["srun", "-N1", "-p", "gpu", "--gres=gpu:1", "printenv", "SLURMD_NODENAME"],
+                             env={**env, "SLURM_CONF": str(conf)}, capture_output=True, text=True, timeout=60)
+        assert ran.stdout.strip() == "bt1", ran.stderr
+    finally:
+        down = subprocess.run(["bash", script, "down", "--name", name], env=env, capture_output=True, text=True,
+                              timeout=120)
+        shutil.rmtree(lab, ignore_errors=True)
+    assert down.returncode == 0, down.stderr[-500:]
+    assert subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True).stdout == default_nodes
+    if ctld is not None:
+        assert Path("/tmp/hpc-garage-slurm/run/slurmctld.pid").read_text().strip() == ctld
