@@ -395,7 +395,12 @@ def tag_limits_survive_outages(is_outage: Callable[[BaseException], bool], answe
                       lease_duration: float = 300, strict: bool = False, holder: Any = None) -> Any:
         names = frozenset(self.concurrency_limit_names)
         known_free = names in limit_free and services._should_use_cache(self.concurrency_limit_names, holder)
-        if known_free and down[0] and not await asyncio.to_thread(answers):
+        if known_free and not await asyncio.to_thread(answers):  # Prefect's own cache missed: one short
+            # probe first, or a dead API holds the trial (and its GPU) for the client's retries (measured: 76 s)
+            if not down[0]:
+                warn(f"Prefect's API does not answer; tags {sorted(names)} were limit-free when last asked, and "
+                     "trials run on that answer")
+            down[0] = True
             return services._create_empty_limits_response()
         try:
             response = await own(self, slots, mode, timeout_seconds, max_retries, lease_duration, strict, holder)
