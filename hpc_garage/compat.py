@@ -420,6 +420,7 @@ def tag_limits_survive_outages(is_outage: Callable[[BaseException], bool], answe
             pass
         return response
 
+    acquire.__wrapped__ = own  # type: ignore[attr-defined]  # inspect.unwrap finds Prefect's own
     cls.acquire = acquire
     cls._hpc_garage_survives = True
     return True
