@@ -79,10 +79,10 @@ def sweep_record(tmp_path: Path) -> dict:
 
 
 def test_cancel_then_resume_runs_no_finished_trial_again(tmp_path: Path) -> None:
-    trials = 16
+    trials = 24  # about 18 s of trials on 4 GPUs: the cancel lands mid-sweep even on an idle machine
     site = site_file(tmp_path)
-    job, marks, out = submit(tmp_path, site, trials, 2.0, "--time", "10")
-    wait_done(marks, 5)
+    job, marks, out = submit(tmp_path, site, trials, 3.0, "--time", "10")
+    wait_done(marks, 4)
     cancelled = hpcg(["cancel", job], tmp_path)
     assert cancelled.returncode == 0, cancelled.stderr
     wait_gone(job)
@@ -143,9 +143,9 @@ def test_walltime_ends_in_a_follow_up_job_and_the_sweep_completes_unattended(tmp
 
 
 def test_a_requeued_job_resumes_its_sweep(tmp_path: Path) -> None:
-    trials = 16
-    job, marks, out = submit(tmp_path, site_file(tmp_path), trials, 2.0, "--time", "10")
-    wait_done(marks, 5)
+    trials = 24
+    job, marks, out = submit(tmp_path, site_file(tmp_path), trials, 3.0, "--time", "10")
+    wait_done(marks, 4)
     requeued = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
     assert requeued.returncode == 0, requeued.stderr
     finished_then = set(count(marks, "done"))
