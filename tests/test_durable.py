@@ -100,17 +100,6 @@ def test_cancel_then_resume_runs_no_finished_trial_again(tmp_path: Path) -> None
     assert list(epochs) == ["1"] and [j["how"] for j in epochs["1"]["jobs"]][:2] == ["submit", "resume"]
 
 
-def test_a_fresh_submit_of_the_same_sweep_runs_everything_again(tmp_path: Path) -> None:
-    """Only resume (and requeue, follow-up) read results back: submitting again is a new epoch."""
-    site = site_file(tmp_path)
-    for _ in range(2):
-        done = hpcg(["submit", "--site", str(site), "--wait", str(SWEEP), "--trials", "2", "--duration", "0.1",
-                     "--marks", str(tmp_path / "marks"), "--out", str(tmp_path / "out.json")], tmp_path, 300)
-        assert done.returncode == 0, done.stdout + done.stderr
-    assert count(tmp_path / "marks", "done") == {0: 2, 1: 2}
-    assert list(sweep_record(tmp_path)["epochs"]) == ["1", "2"]
-
-
 def test_walltime_ends_in_a_follow_up_job_and_the_sweep_completes_unattended(tmp_path: Path) -> None:
     """--time 1 (60 s) for a sweep of about 50 s of trials on 4 GPUs (with start-up, 2-4 jobs): `run` winds
     down before the end, submits a follow-up job, and `submit --wait` follows the sweep to its end; no

@@ -18,7 +18,7 @@ import pytest
 
 from bench.concurrent_sweeps import run_pair
 
-TASKS = int(os.environ.get("HPC_GARAGE_TEST_SWEEP_TASKS", "300"))
+TASKS = int(os.environ.get("HPC_GARAGE_TEST_SWEEP_TASKS", "200"))
 
 
 @pytest.mark.slow

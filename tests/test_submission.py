@@ -136,6 +136,23 @@ def test_submit_records_the_job(lab: Path, fake: FakeSlurm) -> None:
     assert f"--sweep {sweep['name']} --sweep-epoch 1 --" in prepared.script
 
 
+def test_a_fresh_submit_starts_a_new_epoch_and_resume_continues_the_latest(lab: Path, fake: FakeSlurm) -> None:
+    """Submitting the same sweep again runs everything again (epoch 2: no result of epoch 1 is keyed to it);
+    --resume joins the latest epoch; a job's run line says which."""
+    fake.answers["sbatch"] = ["42\n", "43\n", "44\n"]
+    first = submission.submit(submission.prepare("t", "flow.py", ["x"]))
+    second = submission.submit(submission.prepare("t", "flow.py", ["x"]))
+    resumed = submission.submit(submission.prepare("t", "flow.py", ["x"], resume=True))
+    assert [d.record["sweep"]["epoch"] for d in (first, second, resumed)] == [1, 2, 2]
+    assert len({d.record["sweep"]["name"] for d in (first, second, resumed)}) == 1  # derived: the same sweep
+    assert "--sweep-epoch 2 --" in (resumed.run_dir / "job.sh").read_text()
+    book = json.loads((lab / "runs" / "sweeps" / first.record["sweep"]["name"] / "sweep.json").read_text())
+    assert {e: [(j["job_id"], j["how"]) for j in v["jobs"]] for e, v in book["epochs"].items()} == {
+        "1": [("42", "submit")], "2": [("43", "submit"), ("44", "resume")]}
+    other = submission.prepare("t", "flow.py", ["y"])  # other arguments: another sweep
+    assert other.spec.sweep != first.record["sweep"]["name"] and other.spec.sweep_epoch == 1
+
+
 def test_rejected_submission_leaves_nothing(lab: Path, fake: FakeSlurm) -> None:
     fake.answers["sbatch"] = [UserError("sbatch failed: invalid partition specified: nosuch")]
     with pytest.raises(UserError, match="invalid partition"):
