@@ -83,7 +83,7 @@ def test_cancel_then_resume_runs_no_finished_trial_again(tmp_path: Path) -> None
     site = site_file(tmp_path)
     job, marks, out = submit(tmp_path, site, trials, 3.0, "--time", "10")
     wait_done(marks, 4)
-    cancelled = hpcg(["cancel", job], tmp_path)
+    cancelled = hpcg(["cancel", job, "--site", str(site)], tmp_path)  # its run directory is under tmp_path
     assert cancelled.returncode == 0, cancelled.stderr
     wait_gone(job)
     finished = set(count(marks, "done"))  # after the job is gone: nothing finishes any more
