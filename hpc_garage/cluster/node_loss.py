@@ -130,3 +130,8 @@ class NodeWatch:
     def cancel(self) -> None:
         for task in self._tasks[:1]:  # the watch; an ending COMMAND is left to finish
             task.cancel()
+
+    def job_ending(self, sig: int) -> None:
+        """`run` got SIGTERM/SIGINT (scancel, the batch system's end): the batch system signals every node's
+        step too, and a node process ending now is the job ending, not a lost node to name or restart."""
+        self.cancel()

@@ -148,7 +148,8 @@ async def _serve(site: Site, layout_: Layout, launcher: Launcher, rundir: RunDir
     nodes = NodeWatch()  # lost nodes, for the whole run (cluster/node_loss.py)
     try:
         await launcher.prepare(tls, worker_env, rundir, timeout)
-        proc = await _start_command(command, child_env, interrupted)  # it imports Prefect while the cluster starts
+        proc = await _start_command(command, child_env, interrupted,  # it imports Prefect while the cluster starts
+                                    on_signal=nodes.job_ending)
         from distributed import Scheduler  # about a second of imports, while the others start
 
         from hpc_garage.cluster.placement import install
@@ -336,7 +337,8 @@ async def _wait(scheduler: Any, expected: list[str], timeout: float, launcher: L
                 task.cancel()
 
 
-async def _start_command(command: list[str], env: dict[str, str], interrupted: list[int]) -> asyncio.subprocess.Process:
+async def _start_command(command: list[str], env: dict[str, str], interrupted: list[int],
+                         on_signal: Callable[[int], None] | None = None) -> asyncio.subprocess.Process:
     """Start COMMAND; from now on SIGINT/SIGTERM to `run` go to COMMAND first, so the flow can finish its
     bookkeeping (during start-up they also stop the start-up)."""
     proc = await asyncio.create_subprocess_exec(*command, env=env)
@@ -344,6 +346,8 @@ async def _start_command(command: list[str], env: dict[str, str], interrupted: l
     main = asyncio.current_task()
 
     def forward(sig: int) -> None:
+        if on_signal is not None:
+            on_signal(sig)
         if proc.returncode is None:
             proc.send_signal(sig)
         if not os.path.exists(env[SCHEDULER_FILE_ENV]):
