@@ -419,9 +419,9 @@ def status(job_id: str | None, site_name: str | None, as_json: bool) -> None:
     if job_id is not None:
         view = submission.lookup(job_id, site_name)
         if as_json:
-            click.echo(json.dumps(view.to_dict(), indent=2))
+            click.echo(json.dumps(view.to_dict(sweep=True), indent=2))
             return
-        data = view.to_dict()
+        data = view.to_dict(sweep=True)
         click.echo(f"job {job_id} {data['summary']}")
         batch = view.status
         details = {

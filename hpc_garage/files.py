@@ -1,12 +1,15 @@
 """Private files, run directories, and their writers' pids: the I/O every layer above the core shares.
 
 A file that holds an address, a key or a token is written readable by its owner only, and atomically, so
-no reader ever sees half of it. A job's run directory is `<run root>/<job id>/`.
+no reader ever sees half of it. A file that several processes change is changed under `locked`. A job's run directory is `<run root>/<job id>/`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -38,3 +41,15 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:  # someone else's: alive
         return True
     return True
+
+
+@contextlib.contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """An exclusive lock on `path` (created 0600) for as long as the block runs; other hosts' processes too,
+    where the filesystem supports flock."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock

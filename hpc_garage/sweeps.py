@@ -8,19 +8,20 @@ sweep.json is changed under a lock, since a follow-up job and a `resume` may wri
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpc_garage.core.errors import UserError
-from hpc_garage.core.sweep import SweepKey, check_name
-from hpc_garage.files import run_root, write_private
+from hpc_garage.core.sweep import SweepKey, check_name, derived_name
+from hpc_garage.files import locked, run_root, write_private
+
+if TYPE_CHECKING:
+    from hpc_garage.core.site import Site
 
 RECORD = "sweep.json"
 
@@ -32,20 +33,32 @@ def results_root(results_directory: str | None, run_directory: str) -> Path:
     return run_root(run_directory) / "sweeps"
 
 
-def check_results_root(root: Path, *, given: bool, where: str, create: bool = True) -> Path:
-    """The results root exists (the default one is created, unless not `create`: a check that must leave
-    nothing behind) and this user can write in it; else one line."""
+def check_results_root(root: Path, *, given: bool, where: str) -> Path:
+    """A results root the site names exists and this user can write in it; else one line. The default one
+    may be missing: the first sweep written makes it. Creates nothing."""
     if not root.exists():
         if given:
             raise UserError(f"{where}: {root} does not exist; create it on storage every node shares, or fix the key")
-        if not create:
-            return root
-        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        return root
     if not root.is_dir():
         raise UserError(f"{where}: {root} is not a directory; point it at a directory every node shares")
     if not os.access(root, os.W_OK | os.X_OK):
         raise UserError(f"{where}: {root} is not writable by you; choose a directory you can write")
     return root
+
+
+def results_key(site: Site) -> str:
+    """Where a results directory came from, for error lines: the site file and its key."""
+    return f"{site.path or 'site ' + site.name}: results_directory"
+
+
+def sweep_of(site: Site, name: str | None, script: str, args: Sequence[str], cwd: str,
+             flag: str = "--sweep") -> SweepBook:
+    """The sweep `name` (checked), or by default the one named after the site, the script and its arguments,
+    in the site's results root (checked); `submit` and `run` find the same sweep for the same script."""
+    name = check_name(name, flag) if name is not None else derived_name(site.name, script, args, cwd)
+    root = results_root(site.results_directory, site.run_directory)
+    return SweepBook(check_results_root(root, given=bool(site.results_directory), where=results_key(site)), name)
 
 
 @dataclass(frozen=True)
@@ -72,8 +85,9 @@ class SweepBook:
 
     def update(self, change: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
         """Change sweep.json under the sweep's lock (created with the directory if need be)."""
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.path.mkdir(mode=0o700, exist_ok=True)
-        with _locked(self.path / ".lock"):
+        with locked(self.path / ".lock"):
             data = self.read() or {"name": self.name, "epochs": {}}
             change(data)
             write_private(self.path / RECORD, json.dumps(data, indent=1))
@@ -153,13 +167,3 @@ def all_sweeps(roots: list[Path]) -> Iterator[tuple[SweepBook, dict[str, Any]]]:
             book = SweepBook(root, file.parent.name)
             if (record := book.read()) is not None:
                 yield book, record
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -37,3 +38,36 @@ def submit(argv: list[str], script: Path) -> str:
 def queue_ids() -> set[str]:
     out = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout
     return set(out.split())
+
+
+class QueueWatch:
+    """Samples squeue in the background: every job seen, its name, node, time limit, the states it was seen
+    in, and when it was last seen (`with QueueWatch() as queue: ...; queue.jobs[job_id]`)."""
+
+    def __init__(self, interval: float = 0.25) -> None:
+        self.jobs: dict[str, dict] = {}
+        self.interval = interval
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self) -> QueueWatch:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join()
+
+    def named(self, name: str) -> dict[str, dict]:
+        return {j: s for j, s in self.jobs.items() if s["name"] == name}
+
+    def _watch(self) -> None:
+        while not self.stop.is_set():
+            out = subprocess.run(["squeue", "-h", "-o", "%i|%j|%T|%N|%l"], capture_output=True, text=True).stdout
+            now = time.time()
+            for line in out.splitlines():
+                job, name, state, node, limit = line.split("|")
+                seen = self.jobs.setdefault(job, {"states": set(), "node": ""})
+                seen.update(name=name, limit=limit, last=now, node=node or seen["node"])
+                seen["states"].add(state)
+            self.stop.wait(self.interval)

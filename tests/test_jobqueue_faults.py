@@ -12,13 +12,13 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
+from tests.slurm_jobs import QueueWatch
 from tests.test_jobqueue_slurm import clean_env, in_queue, run_dir_of, worker_jobs
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -168,41 +168,12 @@ def test_a_worker_job_scancelled_mid_trial_runs_that_trial_again_once_elsewhere(
     assert in_queue([j["job_id"] for j in data["jobs"] if j["job_id"]]) == []
 
 
-class LastSeen:
-    """Samples squeue in the background: when each job was last seen in the queue, its name and time limit."""
-
-    def __init__(self) -> None:
-        self.jobs: dict[str, dict] = {}
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._watch, daemon=True)
-
-    def __enter__(self) -> LastSeen:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join()
-
-    def _watch(self) -> None:
-        while not self.stop.is_set():
-            out = subprocess.run(["squeue", "-h", "-o", "%i|%j|%l"], capture_output=True, text=True).stdout
-            now = time.time()
-            for line in out.splitlines():
-                job, name, limit = line.split("|")
-                self.jobs[job] = {"name": name, "limit": limit, "last": now}
-            self.stop.wait(0.25)
-
-    def named(self, name: str) -> dict[str, dict]:
-        return {j: s for j, s in self.jobs.items() if s["name"] == name}
-
-
 def test_worker_jobs_end_with_a_driver_job_given_time_1(tmp_path: Path) -> None:
     env = write_site(tmp_path / "sites", "jq-time", "00:10:00", jobs=2)
     script, marks, out = tmp_path / "trials.py", tmp_path / "marks", tmp_path / "out.json"
     script.write_text(TRIALS)
     marks.mkdir()
-    with LastSeen() as queue:  # a sweep of 40 x 5 s on 2 GPUs: more than the driver job's minute
+    with QueueWatch() as queue:  # a sweep of 40 x 5 s on 2 GPUs: more than the driver job's minute
         done = subprocess.run([PY, "-m", "hpc_garage", "submit", "--site", "jq-time", "--time", "1", "--wait",
                                str(script), str(out), str(marks), "40", "5", "release"],
                               capture_output=True, text=True, env=env, cwd=tmp_path, timeout=240)
@@ -222,7 +193,7 @@ def test_worker_jobs_leave_the_queue_within_a_minute_of_a_run_killed_outright(tm
     script, marks, out = tmp_path / "trials.py", tmp_path / "marks", tmp_path / "out.json"
     script.write_text(TRIALS)
     marks.mkdir()
-    with LastSeen() as queue:
+    with QueueWatch() as queue:
         proc = subprocess.Popen([PY, "-m", "hpc_garage", "run", "--site", "jq-kill", "--", PY, str(script), str(out),
                                  str(marks), "20", "5", "release"], stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, env=env, cwd=tmp_path, start_new_session=True)

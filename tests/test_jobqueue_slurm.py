@@ -9,7 +9,6 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import DATA
+from tests.slurm_jobs import QueueWatch
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -37,34 +37,6 @@ def write_site(directory: Path, name: str, **jobqueue: object) -> dict[str, str]
     directory.mkdir(exist_ok=True)
     (directory / f"{name}.yaml").write_text(json.dumps({**LAB, "jobqueue": {"gpus_per_job": 2, **jobqueue}}))
     return clean_env(HPC_GARAGE_SITES_PATH=str(directory))
-
-
-class Queue:
-    """Samples squeue in the background: which of our worker jobs were seen, in which state, on which node."""
-
-    def __init__(self, prefix: str = "hpcg-") -> None:
-        self.prefix = prefix
-        self.seen: dict[str, dict[str, str]] = {}  # job id → {state, name, node}
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._watch, daemon=True)
-
-    def __enter__(self) -> Queue:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join()
-
-    def _watch(self) -> None:
-        while not self.stop.is_set():
-            out = subprocess.run(["squeue", "-h", "-o", "%i|%j|%T|%N"], capture_output=True, text=True).stdout
-            for line in out.splitlines():
-                job, name, state, node = line.split("|")
-                if name.startswith(self.prefix):
-                    self.seen.setdefault(job, {}).update(name=name, node=node or self.seen[job].get("node", ""))
-                    self.seen[job].setdefault("states", set()).add(state)  # type: ignore[union-attr]
-            self.stop.wait(0.3)
 
 
 def in_queue(ids: list[str]) -> list[str]:
@@ -93,7 +65,7 @@ def hpcg_run(site: str, command: list[str], env: dict[str, str], cwd: Path,
 
 def test_sweep_through_a_driver_job_on_worker_jobs_with_one_gpu_per_worker(tmp_path: Path) -> None:
     out = tmp_path / "r.json"
-    with Queue() as queue:
+    with QueueWatch() as queue:
         done = subprocess.run([PY, "-m", "hpc_garage", "submit", "--site", "lab-jobqueue", "--wait", str(SWEEP),
                                "--gpu", "yes", "--seeds", "4", "--duration", "0.5", "--out", str(out)],
                               capture_output=True, text=True, env=clean_env(), cwd=tmp_path, timeout=300)
@@ -103,8 +75,8 @@ def test_sweep_through_a_driver_job_on_worker_jobs_with_one_gpu_per_worker(tmp_p
     assert summary["result"] == summary["expected"] and summary["experiments"] == 8 and summary["gpu"] is True
 
     # the worker jobs were real batch jobs, named after the driver job, seen running in squeue
-    ours = {j: s for j, s in queue.seen.items() if s["name"] == f"hpcg-lab-jobqueue-{driver}"}
-    assert len(ours) == 2 and all("RUNNING" in s["states"] for s in ours.values()), queue.seen
+    ours = queue.named(f"hpcg-lab-jobqueue-{driver}")
+    assert len(ours) == 2 and all("RUNNING" in s["states"] for s in ours.values()), queue.jobs
     run_dir = Path.home() / ".hpc-garage" / "runs" / driver
     jobs = {j["name"]: j for j in worker_jobs(run_dir)["jobs"]}
     assert {j["job_id"] for j in jobs.values()} == set(ours)

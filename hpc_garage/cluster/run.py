@@ -55,6 +55,10 @@ class RunState:
         self.data |= {"phase": phase, "expected": self.expected, "updated": time.time(), **extra}
         write_private(self.rundir.path / "state.json", json.dumps(self.data))
 
+    def note(self, **extra: Any) -> None:
+        """Record more of the run (progress, lost nodes, the wind-down) in the phase it is in, unless `phase=`."""
+        self(extra.pop("phase", self.data["phase"]), **extra)
+
 
 ApiForHost = Callable[[str], dict[str, str]]
 
@@ -143,7 +147,7 @@ async def _serve(site: Site, layout_: Layout, launcher: Launcher, rundir: RunDir
     proc: asyncio.subprocess.Process | None = None
     interrupted = _stop_on_signals()
     if ending is not None:
-        ending.bind(lambda text: say(text), lambda **kw: state(kw.pop("phase", state.data["phase"]), **kw))
+        ending.bind(say, state.note)
         ending.install_signals()  # the batch system's warning: wind down now (preemption, the site's signal)
     nodes = NodeWatch()  # lost nodes, for the whole run (cluster/node_loss.py)
     try:
@@ -162,7 +166,7 @@ async def _serve(site: Site, layout_: Layout, launcher: Launcher, rundir: RunDir
                               **launcher.scheduler_host)
         install(scheduler)  # resource tasks go only to workers with them free (placement.py); every launcher
         await scheduler
-        progress = await install_progress(scheduler, lambda figures: state(state.data["phase"], progress=figures),
+        progress = await install_progress(scheduler, lambda figures: state.note(progress=figures),
                                           vendor=site.node.gpu_vendor, api=api_env)  # trials, GPUs, links; report
         os.chmod(rundir.dask_scheduler_file, 0o600)  # Dask writes it 0644; it names the cluster's address
         preload = _import_in_background(scheduler_preload(env))
@@ -173,7 +177,7 @@ async def _serve(site: Site, layout_: Layout, launcher: Launcher, rundir: RunDir
                               prefect_api_url=api_env.get("PREFECT_API_URL"), workers=expected, site=site.name)
             rundir.publish(handoff)
             state("running", workers=len(expected))
-            nodes.start(scheduler, launcher, layout_, lambda **kw: state(state.data["phase"], **kw), proc)
+            nodes.start(scheduler, launcher, layout_, state.note, proc)
             if ending is not None:
                 ending.start(scheduler, proc)
         code = nodes.exit_code(await _command_exit(proc))

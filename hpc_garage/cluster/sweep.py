@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from hpc_garage.core.errors import UserError
 from hpc_garage.core.site import Site
-from hpc_garage.core.sweep import SweepKey, check_name, derived_name, script_of
-from hpc_garage.sweeps import SweepBook, add_job, check_results_root, epoch_of_job, next_epoch, results_root
+from hpc_garage.core.sweep import SweepKey, script_of
+from hpc_garage.sweeps import SweepBook, add_job, epoch_of_job, next_epoch, results_key, sweep_of
 from hpc_garage.variables import RESULTS_ENV, SWEEP_ENV
 
 
@@ -37,26 +37,21 @@ def join_sweep(site: Site, command: list[str], job_id: str, *, name: str | None,
                epoch: int | None, resume: bool, in_job: bool) -> RunSweep:
     """Find or start the sweep epoch this run belongs to and record the job in it; checks come first, so a
     refusal leaves nothing behind."""
+    if name is None and epoch is not None:
+        raise UserError("--sweep-epoch needs --sweep NAME (job scripts that `submit` writes give both)")
     cwd = os.getcwd()
-    if name is None:
-        if epoch is not None:
-            raise UserError("--sweep-epoch needs --sweep NAME (job scripts that `submit` writes give both)")
-        script, args = script_of(command)
-        name = derived_name(site.name, script, args, cwd)
-    book = SweepBook(results_root(site.results_directory, site.run_directory), check_name(name, "--sweep"))
-    where = f"{site.path or 'site ' + site.name}: results_directory"
+    script, args = script_of(command)
+    book = sweep_of(site, name, script, args, cwd)
     if epoch is not None and in_job and not book.path.is_dir():  # `submit` made it: this node cannot see it
-        raise UserError(f"{where}: {book.path} (made at submit) is not visible on this compute node; put "
-                        "results_directory on storage every node shares")
-    check_results_root(book.root, given=bool(site.results_directory), where=where, create=False)
+        raise UserError(f"{results_key(site)}: {book.path} (made at submit) is not visible on this compute node; "
+                        "put results_directory on storage every node shares")
     if epoch is None:
         record = book.read()
         epoch = epoch_of_job(record, job_id) if in_job else None  # restarted with its id: the same epoch
         if epoch is None:
             epoch = next_epoch(book, resume, "--resume")
     key = SweepKey(book.name, epoch)
-    book.results(epoch).mkdir(mode=0o700, parents=True, exist_ok=True)
-    script, args = script_of(command)
     add_job(book, key, job_id, "run", {"site": site.name, "script": os.path.join(cwd, script), "args": args,
                                        "cwd": cwd})
+    book.results(epoch).mkdir(mode=0o700, exist_ok=True)
     return RunSweep(book, key)

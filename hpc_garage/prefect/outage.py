@@ -126,38 +126,40 @@ outage = ApiOutage()
 
 
 def keep_state_when_unreachable(propose: Any, is_async: bool) -> Any:
-    """Wrap the flow engine's `propose_state[_sync]`: where the API does not answer, keep the state."""
+    """Wrap the flow engine's `propose_state[_sync]`: where the API does not answer, keep the state.
+    Only a flow run's states (`flow_run_id=`) are kept; a task run's go to Prefect as they would."""
 
-    def kept_or_none(state: Any, kwargs: dict[str, Any]) -> Any:
-        flow_run_id = kwargs.get("flow_run_id")
+    def kept(state: Any, kwargs: dict[str, Any]) -> Any:
+        flow_run_id = kwargs["flow_run_id"]
         return outage.keep(state, flow_run_id) if flow_run_id is not None else None
+
+    def kept_after(exc: Exception, state: Any, kwargs: dict[str, Any]) -> Any:
+        """The state kept, where `exc` says the API is gone; else `exc` as it was."""
+        if "flow_run_id" not in kwargs or not is_outage_error(exc):
+            raise exc
+        outage.mark_down()
+        return kept(state, kwargs)
 
     if is_async:
         async def propose_state(client: Any, state: Any, *args: Any, **kwargs: Any) -> Any:
             import anyio
 
             if "flow_run_id" in kwargs and await anyio.to_thread.run_sync(outage.still_down, state.is_final()):
-                return kept_or_none(state, kwargs)
+                return kept(state, kwargs)
             try:
                 return await propose(client, state, *args, **kwargs)
             except Exception as exc:
-                if "flow_run_id" not in kwargs or not is_outage_error(exc):
-                    raise
-                outage.mark_down()
-                return kept_or_none(state, kwargs)
+                return kept_after(exc, state, kwargs)
 
         return propose_state
 
     def propose_state_sync(client: Any, state: Any, *args: Any, **kwargs: Any) -> Any:
         if "flow_run_id" in kwargs and outage.still_down(state.is_final()):
-            return kept_or_none(state, kwargs)
+            return kept(state, kwargs)
         try:
             return propose(client, state, *args, **kwargs)
         except Exception as exc:
-            if "flow_run_id" not in kwargs or not is_outage_error(exc):
-                raise
-            outage.mark_down()
-            return kept_or_none(state, kwargs)
+            return kept_after(exc, state, kwargs)
 
     return propose_state_sync
 

@@ -31,7 +31,6 @@ package creates it; else `nobody`), in /var/tmp/hpc-garage-postgres-<hash>/ owne
 from __future__ import annotations
 
 import base64
-import fcntl
 import json
 import os
 import secrets
@@ -46,14 +45,13 @@ import time
 import tomllib
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from hpc_garage.core.errors import UserError
-from hpc_garage.files import pid_alive, write_private
+from hpc_garage.files import locked, pid_alive, write_private
 from hpc_garage.variables import PREFECT_DATABASE, PREFECT_SERVER_IDLE, seconds
 
 LOOPBACK = "127.0.0.1"
@@ -128,7 +126,7 @@ def ensure_server(host: str = LOOPBACK, *, timeout: float = START_TIMEOUT) -> Se
     if database.kind == "postgresql":
         postgres_bin()
     directory = state_dir(host)
-    with _locked(directory / "lock"):
+    with locked(directory / "lock"):
         state = _read_state(directory)
         if state is not None and _pid_alive(state.pid) and _answers(state, patience=REUSE_PATIENCE):
             _lease(directory)
@@ -143,7 +141,7 @@ def ensure_server(host: str = LOOPBACK, *, timeout: float = START_TIMEOUT) -> Se
 def stop_server(host: str = LOOPBACK) -> bool:
     """Stop our server for this machine and bind address; False when none was running."""
     directory = state_dir(host)
-    with _locked(directory / "lock"):
+    with locked(directory / "lock"):
         state = _read_state(directory)
         (directory / "server.json").unlink(missing_ok=True)
         return state is not None and _terminate(state)
@@ -498,7 +496,7 @@ def _watch(directory: Path, state: ServerState, server: subprocess.Popen[bytes],
         now = time.time()
         if (code := server.poll()) is not None:
             _say(f"prefect server start exited with code {code}")
-            with _locked(directory / "lock"):
+            with locked(directory / "lock"):
                 _forget(directory, state)
                 stop()
             return code or 1
@@ -509,7 +507,7 @@ def _watch(directory: Path, state: ServerState, server: subprocess.Popen[bytes],
         record(now)
         if now - last_use < idle:
             continue
-        with _locked(directory / "lock"):  # ensure_server waits: nobody is handed a server that is leaving
+        with locked(directory / "lock"):  # ensure_server waits: nobody is handed a server that is leaving
             if time.time() - max(last_use, _leases_last_use(directory, time.time())) < idle:
                 continue  # handed out while we waited for the lock
             _forget(directory, state)
@@ -692,16 +690,6 @@ def _tail(path: Path, lines: int = 8) -> str:
     except OSError:
         return "(no log)"
     return " | ".join(text[-lines:]) or "(empty)"
-
-
-@contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # closing releases the lock
 
 
 def _builtin_profiles() -> dict[str, dict[str, Any]]:

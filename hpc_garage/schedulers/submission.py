@@ -29,7 +29,7 @@ from hpc_garage.core.request import Request
 from hpc_garage.core.sweep import SweepKey
 from hpc_garage.files import run_dir as job_run_dir, run_root as expand_root, write_private
 from hpc_garage.schedulers.base import JOB_ID, BatchSystem, JobStatus
-from hpc_garage.sweeps import SweepBook, add_job, check_results_root, next_epoch, results_root
+from hpc_garage.sweeps import SweepBook, add_job, next_epoch, results_root, sweep_of
 
 if TYPE_CHECKING:
     from hpc_garage.schedulers.jobscript import JobSpec
@@ -106,22 +106,10 @@ def prepare(
     python = os.path.expanduser(site.python) if site.python else sys.executable
     spec, layout_ = job_spec(site, request, script=os.path.abspath(script_path), args=args, output=output,
                              error=error, workdir=workdir, python=python)
-    book = sweep_book(site, sweep, os.path.abspath(script_path), args, workdir)
+    book = sweep_of(site, sweep, os.path.abspath(script_path), args, workdir)
     spec = replace(spec, sweep=book.name, sweep_epoch=next_epoch(book, resume, "--resume"))
     return Prepared(site=site, spec=spec, layout=layout_, script=render(spec), root=root, sweep=book,
                     how="resume" if resume else "submit")
-
-
-def sweep_book(site: Site, name: str | None, script: str, args: Sequence[str], cwd: str,
-               flag: str = "--sweep") -> SweepBook:
-    """The sweep a job or run belongs to, its results directory checked (a missing default one is made later)."""
-    from hpc_garage.core.sweep import check_name, derived_name
-
-    name = check_name(name, flag) if name is not None else derived_name(site.name, script, args, cwd)
-    root = results_root(site.results_directory, site.run_directory)
-    if site.results_directory:
-        check_results_root(root, given=True, where=f"{site.path or 'site ' + site.name}: results_directory")
-    return SweepBook(root, name)
 
 
 def _check_script(path: str) -> None:
@@ -233,7 +221,6 @@ def _hand_over(batch: BatchSystem, root: Path, script: str, submit_argv: Callabl
         write_private(run_dir / SUBMIT_FILE, json.dumps(record, indent=2))
         if sweep := record.get("sweep"):
             book = SweepBook(Path(sweep["root"]), sweep["name"])
-            check_results_root(book.root, given=False, where="results_directory")
             add_job(book, SweepKey(book.name, sweep["epoch"]), job_id, how,
                     {k: record[k] for k in ("site", "script", "args", "cwd")})
     except BaseException:
@@ -331,10 +318,11 @@ class JobView:
             return None
         return summary(SweepBook(Path(sweep["root"]), sweep["name"]), sweep.get("epoch"))
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, *, sweep: bool = False) -> dict[str, Any]:
+        """The job as JSON; with `sweep`, its sweep too (read from the sweep's directory: one job's view)."""
         record = self.record or {}
         return {
-            "sweep": self.sweep(),
+            "sweep": self.sweep() if sweep else None,
             "job_id": self.job_id,
             "site": record.get("site"),
             "scheduler": self.batch.name,
