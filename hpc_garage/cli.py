@@ -431,6 +431,7 @@ def status(job_id: str | None, site_name: str | None, as_json: bool) -> None:
             "nodes": batch.nodes if batch else None,
             "lost nodes": _lost_nodes(data["run"]),
             "sweep": _sweep_line(data["sweep"]),
+            "sweep trials": submission.sweep_text(data["sweep"]),
             "log": data["log"],
             "run directory": data["run_dir"],
         }

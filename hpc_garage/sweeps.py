@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpc_garage.core.errors import UserError
-from hpc_garage.core.sweep import SweepKey, check_name, derived_name
+from hpc_garage.core.sweep import SOURCE_CHANGES, SweepKey, check_name, derived_name
 from hpc_garage.files import locked, run_root, write_private
 
 if TYPE_CHECKING:
@@ -134,8 +134,9 @@ def jobs_of(record: dict[str, Any], epoch: int | None = None) -> list[dict[str, 
 
 
 def summary(book: SweepBook, epoch: int | None = None) -> dict[str, Any] | None:
-    """What `status` shows of a sweep: its epoch, the epoch's jobs (and how each joined), and how many
-    results the epoch keeps (finished trials, read back by any later job of the epoch)."""
+    """What `status` shows of a sweep: its epoch, the epoch's jobs (and how each joined), how many results
+    the epoch keeps (finished trials, read back by any later job of the epoch), and which trials ran again
+    because their task's source changed."""
     record = book.read()
     if record is None:
         return None
@@ -143,7 +144,39 @@ def summary(book: SweepBook, epoch: int | None = None) -> dict[str, Any] | None:
     results = book.results(epoch)
     kept = sum(1 for p in results.iterdir() if p.is_file() and not p.name.startswith(".")) if results.is_dir() else 0
     return {"name": book.name, "epoch": epoch, "jobs": jobs_of(record, epoch), "results": kept,
-            "directory": str(results)}
+            "source_changed": source_changes(results), "directory": str(results)}
+
+
+def source_changes(results: Path) -> dict[str, int]:
+    """Per task name, the trials of this epoch that ran again because the task's source changed
+    (prefect/sweep_cache.py notes them)."""
+    trials: dict[str, set[str]] = {}
+    try:
+        lines = (results / SOURCE_CHANGES).read_text().splitlines()
+    except OSError:
+        return {}
+    for line in lines:
+        try:
+            entry = json.loads(line)
+            trials.setdefault(str(entry["task"]), set()).add(str(entry["trial"]))
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut short by a job killed mid-write
+    return {task: len(ids) for task, ids in sorted(trials.items())}
+
+
+def across_jobs(kept: int, jobs: Sequence[tuple[dict[str, Any] | None, bool]]) -> dict[str, int]:
+    """A sweep's trials across the jobs of its epoch, from each job's progress (oldest first; `True`: the
+    job is still running). Done: the finished trials the epoch keeps, or the most one job saw done (a later
+    job reads earlier trials back, so it counts them too). Running, failed and to go: the latest job that
+    reported, since a trial that failed or never started in one job runs in the next."""
+    reported = [(progress, live) for progress, live in jobs if progress]
+    latest, live = reported[-1] if reported else ({}, False)
+    running = int(latest.get("running", 0))
+    return {"done": max([kept, *(int(p.get("done", 0)) for p, _ in reported)]),
+            "running": running if live else 0,
+            "failed": int(latest.get("failed", 0)),
+            "to_go": int(latest.get("waiting", 0)) + (0 if live else running),
+            "jobs": len(jobs)}
 
 
 def find(name_or_job: str, roots: list[Path]) -> SweepBook:

@@ -111,6 +111,10 @@ def test_walltime_ends_in_a_follow_up_job_and_the_sweep_completes_unattended(tmp
                  "--out", str(tmp_path / "out.json")], tmp_path, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     assert re.search(r"the sweep continues in job \d+", done.stdout), done.stdout
+    # --wait shows the sweep's trials across its jobs, and at the end all are done and none is to go
+    last = done.stdout.strip().splitlines()[-1]
+    assert re.fullmatch(rf"job \d+ done \| sweep: (\d+) done, 0 running, 0 failed, 0 to go \(\d+ jobs\)", last), last
+    assert int(re.search(r"sweep: (\d+) done", last).group(1)) >= trials
     check_result(tmp_path / "out.json", trials)
     starts, finishes = count(tmp_path / "marks", "start"), count(tmp_path / "marks", "done")
     assert set(finishes) == set(range(trials))

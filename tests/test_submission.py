@@ -269,6 +269,48 @@ def test_wait_reports_each_change_and_returns_the_exit_code(lab: Path, fake: Fak
                     "job 42 failed (exit 3)"]
 
 
+def test_wait_follows_the_sweep_into_its_follow_up_job_and_shows_its_totals(lab: Path, fake: FakeSlurm) -> None:
+    """`--wait` across a walltime follow-up: each job's own progress, and the sweep's trials across both jobs
+    (done: what the epoch keeps; to go: the latest job's); `status JOB` reads the same (JobView.sweep)."""
+    fake.answers["sbatch"] = ["42\n", "43\n"]
+    first = submission.submit(submission.prepare("t", "flow.py"))
+    follow_up = submission.submit(submission.prepare("t", "flow.py", resume=True))
+    results = lab / "runs" / "sweeps" / first.record["sweep"]["name"] / "1"
+    results.mkdir(parents=True)
+
+    def state(run_dir: Path, progress: dict[str, int], **extra: Any) -> None:
+        (run_dir / "state.json").write_text(json.dumps({"progress": progress, "updated": time.time(), **extra}))
+
+    def finished_first() -> str:  # it wound down at walltime: 10 finished, 2 cut off, 28 never started
+        for i in range(10):
+            (results / f"key{i}").write_text("{}")
+        state(first.run_dir, {"done": 10, "running": 2, "failed": 0, "waiting": 28}, phase="done", exit_code=0,
+              next_job="43")
+        return scontrol("COMPLETED")
+
+    def running_second() -> str:
+        state(follow_up.run_dir, {"done": 25, "running": 4, "failed": 1, "waiting": 11}, phase="running")
+        return scontrol("RUNNING")
+
+    def finished_second() -> str:
+        for i in range(10, 40):
+            (results / f"key{i}").write_text("{}")
+        state(follow_up.run_dir, {"done": 40, "running": 0, "failed": 0, "waiting": 0}, phase="done", exit_code=0)
+        return scontrol("COMPLETED")
+
+    fake.answers["scontrol"] = [finished_first, running_second, finished_second]
+    seen: list[str] = []
+    assert submission.wait(submission.find("42"), seen.append, interval=0, limit=0) == 0
+    assert seen == [
+        "job 42 done | sweep: 10 done, 0 running, 0 failed, 30 to go (2 jobs)",
+        "job 42: the sweep continues in job 43",
+        "job 43 running: 25 done, 4 running, 1 failed, 11 waiting | sweep: 25 done, 4 running, 1 failed, 11 to go (2 jobs)",
+        "job 43 done | sweep: 40 done, 0 running, 0 failed, 0 to go (2 jobs)",
+    ]
+    view = submission.refresh(submission.find("42"), None)
+    assert submission.sweep_text(view.to_dict(sweep=True)["sweep"]) == "40 done, 0 running, 0 failed, 0 to go (2 jobs)"
+
+
 def test_wait_on_a_job_that_aged_out_uses_state_json(lab: Path, fake: FakeSlurm) -> None:
     done = submission.submit(submission.prepare("t", "flow.py"))
     (done.run_dir / "state.json").write_text(json.dumps({"phase": "done", "exit_code": 0, "updated": time.time()}))

@@ -13,6 +13,7 @@ from prefect import task
 from prefect.cache_policies import DEFAULT, INPUTS, NO_CACHE
 
 from hpc_garage.prefect.sweep_cache import SweepScope, SweepTasks
+from hpc_garage.sweeps import source_changes
 from hpc_garage.variables import RESULTS_ENV, SWEEP_ENV
 
 
@@ -132,6 +133,8 @@ def test_in_one_epoch_finished_trials_are_read_back_and_opt_outs_run_again(tmp_p
         return len(list(marks.glob(f"{kind}-*")))
 
     assert (runs("cached"), runs("uncached"), runs("refreshed")) == (3, 4, 4)
+    assert source_changes(results) == {}  # ran again by choice (refresh_cache), not because its source changed
     script.write_text(FLOW.replace("SOURCE_MARK", "2"))  # the task's source changed: its cache misses
     assert "RESULT 8" in _run_flow(script, marks, results)
     assert runs("cached") == 6
+    assert source_changes(results) == {"cached": 3}  # what `status` says: 3 ran again, source changed

@@ -20,6 +20,10 @@ from dataclasses import dataclass
 from hpc_garage.core.errors import UserError
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+# In an epoch's results directory, beside Prefect's result files: the source each trial last ran with (one
+# file per task name + inputs), and one line per trial that ran again because its task's source changed.
+SOURCES_DIR = ".sources"
+SOURCE_CHANGES = ".source-changes.jsonl"
 
 
 @dataclass(frozen=True)

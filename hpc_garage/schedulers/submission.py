@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 SUBMIT_FILE = "submit.json"
 STATE_FILE = "state.json"
 SCRIPT_FILE = "job.sh"
+SWEEP_SECONDS = 5.0  # `--wait` reads a sweep's directory this often
 CLOCK_SLACK = 5.0  # seconds: a state.json or log older than the submission (minus this) is an older job's
 
 
@@ -310,13 +311,26 @@ class JobView:
         return word if code == 0 and word == "done" else f"{word} (exit {code})"
 
     def sweep(self) -> dict[str, Any] | None:
-        """The job's sweep (sweeps.summary), when hpc-garage submitted it."""
-        from hpc_garage.sweeps import summary
+        """The job's sweep (sweeps.summary), when hpc-garage submitted it, with its trials across the epoch's
+        jobs (sweeps.across_jobs, from each job's state.json in this job's run root)."""
+        from hpc_garage.sweeps import across_jobs, summary
 
         sweep = (self.record or {}).get("sweep") or {}
         if not sweep.get("root") or not sweep.get("name"):
             return None
-        return summary(SweepBook(Path(sweep["root"]), sweep["name"]), sweep.get("epoch"))
+        found = summary(SweepBook(Path(sweep["root"]), sweep["name"]), sweep.get("epoch"))
+        if found is not None:
+            found["trials"] = across_jobs(found["results"], [self._progress_of(j["job_id"]) for j in found["jobs"]])
+        return found
+
+    def _progress_of(self, job_id: str) -> tuple[dict[str, Any] | None, bool]:
+        """Another job of the sweep: its last progress, and whether it still runs (as its state.json says)."""
+        if job_id == self.job_id:
+            return (self.state or {}).get("progress"), not self.finished
+        if self.run_dir is None or not JOB_ID.fullmatch(job_id) or ".." in job_id:
+            return None, False
+        state = _read_json(self.run_dir.parent / job_id / STATE_FILE) or {}
+        return state.get("progress"), state.get("phase") == "running" and state.get("exit_code") is None
 
     def to_dict(self, *, sweep: bool = False) -> dict[str, Any]:
         """The job as JSON; with `sweep`, its sweep too (read from the sweep's directory: one job's view)."""
@@ -520,6 +534,7 @@ def wait(view: JobView, report: Callable[[str], None], *, interval: float = 0.5,
     return its exit code (1 when unknown)."""
     shown = None
     noted: set[str] = set()
+    sweep, sweep_read = None, 0.0
     while True:
         refresh(view)
         for line in progress_links((view.state or {}).get("progress") or {}) if note and not view.finished else ():
@@ -527,6 +542,10 @@ def wait(view: JobView, report: Callable[[str], None], *, interval: float = 0.5,
                 noted.add(line)
                 note(line)
         text = f"job {view.job_id} {view.summary()}"
+        if (view.record or {}).get("sweep") and (view.finished or time.monotonic() - sweep_read >= SWEEP_SECONDS):
+            sweep, sweep_read = view.sweep(), time.monotonic()  # lists the results directory: not every poll
+        if sweep and sweep.get("trials", {}).get("jobs", 0) > 1:  # the sweep spans jobs: its totals too
+            text += f" | sweep: {sweep_text(sweep)}"
         if text != shown:
             report(text)
             shown = text
@@ -536,7 +555,7 @@ def wait(view: JobView, report: Callable[[str], None], *, interval: float = 0.5,
                 code = view.exit_code
                 return 1 if code is None else code
             (note or report)(f"job {view.job_id}: the sweep continues in job {follow_up.job_id}")
-            view, shown, interval = follow_up, None, 0.5
+            view, shown, interval, sweep_read = follow_up, None, 0.5, 0.0
             continue
         time.sleep(interval)
         interval = min(limit, interval * 1.5)
@@ -586,6 +605,22 @@ def progress_text(progress: dict[str, Any]) -> str:
         eta = progress.get("eta")
         parts.append(_duration(elapsed) + (f", ETA {_duration(eta)}" if eta is not None else ""))
     return "; ".join(parts)
+
+
+def sweep_text(sweep: dict[str, Any] | None) -> str | None:
+    """`40 done, 4 running, 0 failed, 36 to go (3 jobs); 2 ran again because their task's source changed
+    (train)`: the trials of a sweep's epoch across its jobs (JobView.sweep)."""
+    trials = (sweep or {}).get("trials")
+    if not trials:
+        return None
+    text = ", ".join(f"{trials.get(k, 0)} {k.replace('_', ' ')}" for k in ("done", "running", "failed", "to_go"))
+    jobs = trials.get("jobs", 0)
+    text += f" ({jobs} job{'s' if jobs != 1 else ''})"
+    if changed := (sweep or {}).get("source_changed"):
+        n = sum(changed.values())
+        text += (f"; {n} ran again because their task's source changed ({', '.join(changed)})" if n != 1
+                 else f"; 1 ran again because its task's source changed ({', '.join(changed)})")
+    return text
 
 
 def progress_links(progress: dict[str, Any], login: str | None = None) -> list[str]:
