@@ -12,7 +12,9 @@ state.json under "progress"):
 - where to look: the Dask dashboard, and the Prefect flow run(s), found from a task key
   (`<task name>-<task run id hex>`, prefect/fast.py) through the API's `/task_runs/{id}`.
 At the end, `finish()` turns the record into the efficiency report (cluster/report.py): each trial's span as
-its worker's sampler timed it (Dask's startstops where no sampler spoke).
+its worker's sampler timed it (Dask's startstops where no sampler spoke); then `attach_gpu_figures` gives
+each Prefect trial whose worker read its GPUs one table artifact (key ARTIFACT_KEY) on its task run and flow
+run, through the same API with plain HTTP (this layer does not import Prefect), within ATTACH_SECONDS in all.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ import re
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,12 +42,17 @@ from hpc_garage.launchers.gpu_sampler import NAME as SAMPLER_NAME, TOPIC, TrialS
 if TYPE_CHECKING:
     from distributed import Scheduler
 
-__all__ = ["NAME", "PROGRESS_SECONDS", "RunProgress", "install", "prefect_ui_url"]
+__all__ = ["ARTIFACT_KEY", "NAME", "PROGRESS_SECONDS", "RunProgress", "attach_gpu_figures", "install",
+           "prefect_ui_url"]
 
 NAME = "hpc-garage-progress"
 PROGRESS_SECONDS = 2.0
 TICK_SECONDS = 1.0  # memory peaks are read this often (the workers' heartbeats update them)
 TASK_RUN_ID = re.compile(r"-([0-9a-f]{32})$")
+ARTIFACT_KEY = "hpc-garage-trial-gpu"  # Prefect's artifact keys: lowercase letters, digits and dashes
+ATTACH_SECONDS = 10.0  # all the artifacts of a run's end together; what is left unattached is counted
+ATTACH_CALL_SECONDS = 3.0  # one call to the API
+ATTACH_THREADS = 4
 
 
 @dataclass
@@ -247,7 +256,12 @@ class RunProgress(SchedulerPlugin):
             write_private(run_dir / REPORT_FILE, json.dumps(report))
         except Exception as exc:  # noqa: BLE001 - the report must never turn a finished run into a failed one
             return [f"not written ({type(exc).__name__}: {exc})"]
-        return [*summary(report), f"written to {run_dir / REPORT_FILE} (`hpc-garage report JOB` shows it again)"]
+        lines = [*summary(report), f"written to {run_dir / REPORT_FILE} (`hpc-garage report JOB` shows it again)"]
+        try:
+            attached = attach_gpu_figures(report, self.api)
+        except Exception as exc:  # noqa: BLE001 - bookkeeping in Prefect: never fails the run
+            attached = f"GPU figures not attached to Prefect's task runs ({type(exc).__name__}: {exc})"
+        return [*lines, attached] if attached else lines
 
     def record(self, ended: float | None = None) -> dict[str, Any]:
         """Everything the report is computed from, as plain JSON types (cluster/report.py)."""
@@ -265,6 +279,69 @@ class RunProgress(SchedulerPlugin):
                              "memory_limit": w.memory_limit, "memory_peak": w.memory_peak, "joined": w.joined,
                              "left": min(w.left, ended) if w.left else ended} for w in self.workers.values()],
                 "trials": trials, "flow_runs": self.last.get("prefect", {}).get("flow_runs", [])}
+
+
+def attach_gpu_figures(report: dict[str, Any], api: Mapping[str, str], *, budget: float = ATTACH_SECONDS,
+                       call_timeout: float = ATTACH_CALL_SECONDS) -> str | None:
+    """Each Prefect trial of the report with GPU figures (its worker read its GPUs) gets one table artifact on
+    its task run and flow run; the line that says how many, or None where no trial has figures or there is no
+    API (then nothing is asked: a CPU-only sweep costs no call). At most `budget` seconds in all: one
+    `/task_runs/filter` per 200 trials finds their flow runs (an API that does not answer stops here), then
+    the artifacts, a few at a time; what the budget leaves is counted, not retried."""
+    from hpc_garage.cluster.report import GPU_FIGURES, _size
+
+    url = api.get("PREFECT_API_URL")
+    trials = {str(uuid.UUID(hex=m.group(1))): t for t in report.get("trials", [])
+              if "gpu_util_mean" in t and t.get("gpus") and (m := TASK_RUN_ID.search(t["key"]))}
+    if not url or not trials:
+        return None
+    deadline = time.monotonic() + budget
+    base, headers = url.rstrip("/"), {**_auth(api), "Content-Type": "application/json"}
+
+    def call(path: str, body: Any) -> Any:
+        timeout = min(call_timeout, deadline - time.monotonic())
+        if timeout <= 0:
+            raise TimeoutError("out of time")
+        request = urllib.request.Request(f"{base}{path}", data=json.dumps(body).encode(), method="POST",
+                                         headers=headers)
+        with urllib.request.urlopen(request, timeout=timeout) as answer:
+            return json.loads(answer.read() or b"null")
+
+    flow_runs: dict[str, str] = {}
+    ids = list(trials)
+    try:
+        for at in range(0, len(ids), 200):
+            for run in call("/task_runs/filter", {"task_runs": {"id": {"any_": ids[at:at + 200]}}, "limit": 200}):
+                flow_runs[str(run["id"])] = str(run.get("flow_run_id") or "")
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        return (f"GPU figures of {len(trials)} trials not attached to Prefect's task runs: the API at {url} did "
+                f"not answer ({exc}); they are in report.json")
+
+    def attach(task_run: str) -> None:
+        trial = trials[task_run]
+        row = {"worker": trial["worker"], "gpus": ",".join(map(str, trial["gpus"])), "duration_s": trial["duration_s"],
+               **{k: trial[k] for k in GPU_FIGURES if k in trial}}
+        description = (f"GPU figures of this trial as its worker {trial['worker']} sampled them on GPU "
+                       f"{row['gpus']} (hpc-garage): utilisation mean {trial['gpu_util_mean']:.0f} %, peak "
+                       f"{trial.get('gpu_util_peak', 0):.0f} %, device memory peak "
+                       f"{_size(trial.get('gpu_memory_peak', 0))}, over {trial['duration_s']:.2f} s")
+        call("/artifacts/", {"key": ARTIFACT_KEY, "type": "table", "description": description,
+                             "data": json.dumps([row]), "task_run_id": task_run,
+                             "flow_run_id": flow_runs[task_run] or None})
+
+    known = [task_run for task_run in ids if task_run in flow_runs]  # in the API: a plain Dask key is not
+    pool = ThreadPoolExecutor(ATTACH_THREADS, thread_name_prefix=ARTIFACT_KEY)
+    futures = [pool.submit(attach, task_run) for task_run in known]
+    wait(futures, timeout=max(deadline - time.monotonic(), 0))
+    pool.shutdown(wait=False, cancel_futures=True)
+    attached = sum(1 for f in futures if f.done() and not f.cancelled() and f.exception() is None)
+    line = f"GPU figures attached to {attached} Prefect task runs as artifacts (key {ARTIFACT_KEY})"
+    missed = []
+    if len(trials) > len(known):
+        missed.append(f"{len(trials) - len(known)} not in the API")
+    if len(known) > attached:
+        missed.append(f"{len(known) - attached} not attached within {budget:g} s or refused")
+    return f"{line}; {', '.join(missed)}" if missed else line
 
 
 def prefect_ui_url(api_url: str, flow_run: str) -> str:
