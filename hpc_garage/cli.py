@@ -295,8 +295,9 @@ def _show_worker_scripts(site_name: str) -> None:
     click.echo(worker_scripts(site), nl=False)
 
 
-def _submit_prepared(prepared: Any, dry_run: bool, wait: bool) -> None:
-    """Print the script (--dry-run), or submit and say where the job and its log are; --wait follows it."""
+def _submit_prepared(prepared: Any, dry_run: bool, wait: bool, walltime: int | None = None) -> None:
+    """Print the script (--dry-run), or submit and say where the job and its log are; --wait follows it.
+    `walltime`: the user's --time, which bounds a driver that runs here (and its worker jobs)."""
     for line in prepared.layout.leftovers:
         click.echo(f"note: unused: {line}", err=True)
     jobqueue = prepared.site.launcher == "jobqueue"
@@ -315,7 +316,8 @@ def _submit_prepared(prepared: Any, dry_run: bool, wait: bool) -> None:
         click.echo(f"hpc-garage: site {prepared.site.name} runs its driver on the login node: "
                    f"hpc-garage run -- {spec.python} {spec.script}", err=True)
         sys.exit(run_cluster(prepared.site, [spec.python, spec.script, *spec.args],
-                             api=lambda host: ensure_api(host=host), sweep=spec.sweep, sweep_epoch=spec.sweep_epoch))
+                             api=lambda host: ensure_api(host=host), sweep=spec.sweep, sweep_epoch=spec.sweep_epoch,
+                             walltime=walltime))
     from hpc_garage.schedulers import submission
 
     done = submission.submit(prepared)
@@ -364,7 +366,9 @@ def submit(site_name: str, script: str, args: tuple[str, ...], dry_run: bool, wa
     """
     from hpc_garage.schedulers.submission import prepare
 
-    _submit_prepared(prepare(site_name, script, args, _request(request), sweep=sweep, resume=resume), dry_run, wait)
+    asked = _request(request)
+    _submit_prepared(prepare(site_name, script, args, asked, sweep=sweep, resume=resume), dry_run, wait,
+                     asked.walltime)
 
 
 @cli.command(
@@ -390,7 +394,7 @@ def sbatch(argv: tuple[str, ...]) -> None:
     site_name = site_for(call)
     prepared = prepare(site_name, call.script, call.args, call.request(), output=call.output, error=call.error,
                        sweep=call.sweep, resume=call.resume)
-    _submit_prepared(prepared, call.dry_run, call.wait)
+    _submit_prepared(prepared, call.dry_run, call.wait, call.request().walltime)
 
 
 @cli.command()
@@ -526,6 +530,22 @@ def report(job_id: str, site_name: str | None, as_json: bool, plot_file: str | N
         click.echo(line)
     if plot_file:
         click.echo(f"timeline: {plot_file}")
+
+
+@cli.command()
+@click.argument("job_id")
+@click.option("--site", "site_name", help="Where to look for the job's run directory.")
+def replay(job_id: str, site_name: str | None) -> None:
+    """Send Prefect's API what a job kept while the API did not answer (its events, log lines, the flow run's
+    final state), once the API is back; a second replay sends nothing again."""
+    from hpc_garage.prefect.replay import replay as replay_kept
+    from hpc_garage.schedulers import submission
+
+    view = submission.find(job_id, site_name)
+    run_dir = view.run_dir or next((root / job_id for root in submission.run_roots() if (root / job_id).is_dir()),
+                                   None)  # a `run` hpc-garage did not submit keeps its run directory there too
+    for line in replay_kept(job_id, run_dir):
+        click.echo(line)
 
 
 @cli.group()

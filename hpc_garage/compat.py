@@ -338,22 +338,24 @@ def before_exit_drains(callback: Callable[[], None]) -> bool:
     return True
 
 
-@uses("prefect", "QueueService._instances / _instance_lock / _queue")
-def drop_queued(service: type) -> int:
-    """Empty the queues of every running instance of a Prefect queue service (EventsWorker, APILogWorker)
-    in this process; how many items were dropped. Used once the API is known gone: each queued item would
-    otherwise be retried against it at exit. Fallback where the names are gone: 0, nothing dropped."""
+@uses("prefect", "QueueService._instances / _instance_lock / _queue; EventsWorker._context_cache")
+def take_queued(service: type) -> list[tuple[Any, Any]]:
+    """Take the items out of the queues of every running instance of a Prefect queue service (EventsWorker,
+    APILogWorker) in this process: (item, the `contextvars.Context` the service kept to finish it with, or
+    None). Used once the API is known gone: each queued item would otherwise be retried against it at exit;
+    the caller keeps them for replay. Fallback where the names are gone: [], nothing taken."""
     import queue
 
     if not in_range("prefect") or not hasattr(service, "_instances"):
-        return 0
+        return []
     with service._instance_lock:
         instances = [i for i in service._instances.values() if isinstance(i, service)]  # one dict for all kinds
-    dropped = 0
+    taken: list[tuple[Any, Any]] = []
     for instance in instances:
         items = getattr(instance, "_queue", None)
         if not isinstance(items, queue.Queue):
             continue
+        contexts = getattr(instance, "_context_cache", None)  # EventsWorker: the emitter's run context per event
         stop = False
         while True:
             try:
@@ -363,11 +365,29 @@ def drop_queued(service: type) -> int:
             items.task_done()
             if item is None:
                 stop = True  # the service's own stop marker stays
-            else:
-                dropped += 1
+                continue
+            context = contexts.pop(getattr(item, "id", None), None) if isinstance(contexts, dict) else None
+            taken.append((item, context))
         if stop:
             items.put_nowait(None)
-    return dropped
+    return taken
+
+
+@uses("prefect", "EventsWorker._client / PrefectEventsClient._unconfirmed_events")
+def unconfirmed_events(service: type) -> list[Any]:
+    """The events each running EventsWorker's client sent, or failed to send, without the server confirming
+    them yet (the client resends them only when it reconnects): a server killed meanwhile may have lost
+    them. Fallback where the names are gone: []."""
+    if not in_range("prefect") or not hasattr(service, "_instances"):
+        return []
+    with service._instance_lock:
+        instances = [i for i in service._instances.values() if isinstance(i, service)]
+    events: list[Any] = []
+    for instance in instances:
+        unconfirmed = getattr(getattr(instance, "_client", None), "_unconfirmed_events", None)
+        if isinstance(unconfirmed, list):
+            events += list(unconfirmed)
+    return events
 
 
 @uses("prefect", "prefect.concurrency.services.ConcurrencySlotAcquisitionWithLeaseService.acquire / "

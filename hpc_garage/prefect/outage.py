@@ -13,22 +13,27 @@ What changes, only while the API does not answer (a GET /health with a short tim
 connect or times out; a busy server's 503 is an answer):
 - flow side: the flow run's state proposals are kept locally instead of raising, so the flow ends in its own
   state and returns its own result (`keep_flow_states`, installed by the task runner);
-- at the end of the flow the task runner does not wait for the task runs to be recorded; it drops the events
+- at the end of the flow the task runner does not wait for the task runs to be recorded; it takes the events
   and log lines Prefect still queues, in the flow process and on every worker (each would be retried against
-  the dead API at exit), takes Prefect's API log handlers off (the flow's last log lines went out in a batch
-  that Prefect's client retried for a minute, and the process waited for it at exit: measured 78 s), drops
-  the events queued after that as the process exits, and says how many records were not
-  written and where the list of unrecorded runs was kept (the run directory's `unrecorded.json`);
+  the dead API at exit), with the events the events client sent but the server never confirmed, and keeps
+  them in the run directory's `unrecorded/` (one events-HOST-PID.jsonl and logs-HOST-PID.jsonl per process,
+  private files; the flow run's kept final state in flow-runs.json). Prefect 3 records task runs from their
+  `prefect.task-run.*` events, so these are the records themselves: `hpc-garage replay JOB` sends them
+  once the API is back (prefect/replay.py). It takes Prefect's API log handlers off (the flow's last log lines
+  went out in a batch that Prefect's client retried for a minute, and the process waited for it at exit:
+  measured 78 s), keeps the events queued after that as the process exits, and says how many records were
+  not written and where they were kept (the run directory's `unrecorded.json` sums it up);
 - worker side: a trial's tag-concurrency check (Prefect asks the API before every task whose tags it has not
   seen limit-free within a minute) uses the last answer this process got for those tags when the API does not
   answer, instead of failing the trial (`tag_limits_survive_outages`).
-Replaying the unrecorded records into a restarted API is not done: the file lists them for the user.
+Outside `hpc-garage run` (no run directory) the queued records are dropped, as before, and the log says so.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 import threading
 import time
@@ -37,9 +42,14 @@ from typing import Any
 
 import httpx
 
-from hpc_garage.cluster.handoff import RUN_DIR_ENV
+from hpc_garage.cluster.handoff import JOB_ID_ENV, RUN_DIR_ENV
 
-__all__ = ["ApiOutage", "api_answers", "api_down", "install", "is_outage_error", "outage"]
+__all__ = ["ApiOutage", "KEPT_DIR", "SUMMARY_FILE", "api_answers", "api_down", "install", "is_outage_error",
+           "outage"]
+
+KEPT_DIR = "unrecorded"  # in the run directory: what the API did not get, one file per process and kind
+SUMMARY_FILE = "unrecorded.json"  # in the run directory: the counts, the ids, the API it was meant for
+FLOW_STATES_FILE = "flow-runs.json"  # in KEPT_DIR: each flow run's last state kept here, not recorded there
 
 PROBE_TIMEOUT = 3.0  # s a /health probe may take before the API counts as not answering
 
@@ -119,6 +129,7 @@ class ApiOutage:
         say(f"flow run {flow_run_id} is {state.type.value} here; Prefect's API does not answer, so that "
             "state is not recorded there")
         _note_unrecorded({"flow_run_id": str(flow_run_id), "flow_run_state": state.type.value})
+        _keep_flow_state(str(flow_run_id), state)
         return state
 
 
@@ -177,21 +188,103 @@ def install() -> None:
 
 
 _exit_hooked: list[bool] = []
+_kept_in: list[Path] = []  # where this process keeps what the API did not get (set by keep_unsent)
+_kept_event_ids: set[str] = set()  # events this process kept already: the unconfirmed ones are seen twice
 
 
-def drop_unsent() -> tuple[int, int]:
-    """The API is gone: drop the events and log lines this process still queues for it (each would be
-    retried against it at exit, holding the process); how many of each."""
+def keep_unsent(run_dir: str | None = None) -> tuple[int, int, bool]:
+    """The API is gone: take the events and log lines this process still queues for it (each would be retried
+    against it at exit, holding the process) and keep them in `run_dir`'s KEPT_DIR for replay (workers are
+    given the flow's run directory: their environment need not name it); (events, log lines, kept: False
+    where there is no run directory, and they were dropped)."""
+    from hpc_garage.compat import before_exit_drains
+
+    where = _kept_dir(run_dir or os.environ.get(RUN_DIR_ENV))
+    if where is not None and not _kept_in:
+        _kept_in.append(where)
+    if not _exit_hooked:
+        _exit_hooked.append(before_exit_drains(_keep_at_exit))  # what is queued after this: the last events
+    outage.mark_down()
+    _stop_logging_to_api()
+    events, logs = _keep_queued()
+    return events, logs, bool(_kept_in)
+
+
+def _kept_dir(run_dir: str | None) -> Path | None:
+    if not run_dir or not os.path.isdir(run_dir):
+        return None
+    where = Path(run_dir) / KEPT_DIR
+    where.mkdir(mode=0o700, exist_ok=True)
+    return where
+
+
+def _keep_queued() -> tuple[int, int]:
+    """Take what this process's Prefect queues hold for the API; append it to this process's files in the kept
+    directory (none: dropped). How many events and log lines."""
     from prefect.events.worker import EventsWorker
     from prefect.logging.handlers import APILogWorker
 
-    from hpc_garage.compat import before_exit_drains, drop_queued
+    from hpc_garage.compat import take_queued, unconfirmed_events
 
-    if not _exit_hooked:
-        _exit_hooked.append(before_exit_drains(_drop_at_exit))  # what is queued after this: the last events
-    outage.mark_down()
-    _stop_logging_to_api()
-    return drop_queued(EventsWorker), drop_queued(APILogWorker)
+    events = [_with_flow_run(event, context) for event, context in take_queued(EventsWorker)]
+    events += unconfirmed_events(EventsWorker)
+    events = [e for e in {str(e.id): e for e in events}.values() if str(e.id) not in _kept_event_ids]
+    logs = [{k: v for k, v in item.items() if k != "__payload_size__"} for item, _ in take_queued(APILogWorker)]
+    if _kept_in:
+        process = f"{socket.gethostname()}-{os.getpid()}"
+        _append_private(_kept_in[0] / f"events-{process}.jsonl", [e.model_dump_json() for e in events])
+        _append_private(_kept_in[0] / f"logs-{process}.jsonl", [json.dumps(line, default=str) for line in logs])
+        _kept_event_ids.update(str(e.id) for e in events)
+    return len(events), len(logs)
+
+
+def _with_flow_run(event: Any, context: Any) -> Any:
+    """The event as Prefect's events worker would have sent it: it names the event's flow run (from the run
+    context it was emitted in) only as it sends it, and the server records a task run's flow from that."""
+    if context is None or any(r.role == "flow-run" for r in event.related):
+        return event
+    from prefect.context import FlowRunContext, TaskRunContext
+    from prefect.events.schemas.events import RelatedResource
+
+    def flow_run_of() -> tuple[Any, Any]:
+        flow_context, task_context = FlowRunContext.get(), TaskRunContext.get()
+        if flow_context is not None and flow_context.flow_run is not None:
+            return flow_context.flow_run.id, flow_context.flow_run.name
+        if task_context is not None and task_context.task_run.flow_run_id is not None:
+            return task_context.task_run.flow_run_id, None
+        return None, None
+
+    flow_run_id, name = context.run(flow_run_of)
+    if flow_run_id is not None:
+        labels = {"prefect.resource.id": f"prefect.flow-run.{flow_run_id}", "prefect.resource.role": "flow-run"}
+        event.related.append(RelatedResource({**labels, **({"prefect.resource.name": name} if name else {})}))
+    return event
+
+
+def _append_private(path: Path, lines: list[str]) -> None:
+    """Append lines to a file only its owner can read (created so: it holds run names, parameters, logs)."""
+    if not lines:
+        return
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    with os.fdopen(fd, "a") as f:
+        f.write("".join(line + "\n" for line in lines))
+
+
+def _keep_flow_state(flow_run_id: str, state: Any) -> None:
+    """The flow run's kept state, for replay: the last one kept stands (the final one)."""
+    where = _kept_dir(os.environ.get(RUN_DIR_ENV))
+    if where is None:
+        return
+    from hpc_garage.files import write_private
+
+    path = where / FLOW_STATES_FILE
+    try:
+        states = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        states = {}
+    states[flow_run_id] = {"type": state.type.value, "name": state.name, "message": state.message,
+                           "timestamp": state.timestamp.isoformat() if state.timestamp else None}
+    write_private(path, json.dumps(states, indent=1))
 
 
 def _stop_logging_to_api() -> None:
@@ -208,28 +301,24 @@ def _stop_logging_to_api() -> None:
                 logger.removeHandler(handler)
 
 
-def _drop_at_exit() -> None:
+def _keep_at_exit() -> None:
     """At exit, while the API is still known down: each event queued for it would try 10 reconnections
-    (measured: the flow process spent 78 s on them after its last state)."""
-    from prefect.events.worker import EventsWorker
-    from prefect.logging.handlers import APILogWorker
-
-    from hpc_garage.compat import drop_queued
-
+    (measured: the flow process spent 78 s on them after its last state); keep them instead."""
     if outage.down and not api_answers(1.0):
-        drop_queued(EventsWorker), drop_queued(APILogWorker)
+        _keep_queued()
 
 
 def report_at_flow_end(finished_task_runs: list[Any], results: str | None, dask_client: Any = None) -> None:
-    """The API does not answer at the end of the flow: drop what Prefect still queues for it, here and on
-    every worker, and say what was not recorded (called by the task runner instead of waiting for the
-    records)."""
+    """The API does not answer at the end of the flow: keep what Prefect still queues for it, here and on
+    every worker, and say what was not recorded and how to replay it (called by the task runner instead of
+    waiting for the records)."""
     from prefect.context import FlowRunContext
 
-    counts = [drop_unsent()]
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    counts = [keep_unsent(run_dir)]
     if dask_client is not None:
         try:
-            answers = dask_client.run(drop_unsent, on_error="return")
+            answers = dask_client.run(keep_unsent, run_dir, on_error="return")
             counts += [c for c in answers.values() if isinstance(c, tuple)]
         except Exception:  # noqa: BLE001 - the workers' queues only cost time at their exit
             pass
@@ -237,11 +326,14 @@ def report_at_flow_end(finished_task_runs: list[Any], results: str | None, dask_
     context = FlowRunContext.get()
     flow_run_id = str(context.flow_run.id) if context and context.flow_run else None
     where = _note_unrecorded({"flow_run_id": flow_run_id, "task_run_ids": [str(i) for i in finished_task_runs],
-                              "events_dropped": events, "log_lines_dropped": logs})
-    kept = f"; results are on disk in {results}" if results else ""
+                              "events_kept": events, "log_lines_kept": logs, "job_id": os.environ.get(JOB_ID_ENV)})
+    kept = all(c[2] for c in counts) and where is not None
+    results_at = f"; results are on disk in {results}" if results else ""
+    how = (f"were kept for replay in {where.parent / KEPT_DIR} (`hpc-garage replay "
+           f"{os.environ.get(JOB_ID_ENV) or where.parent.name}` sends them once the API is back)") if kept \
+        else "were dropped (no run directory to keep them in: not under `hpc-garage run`)"
     say(f"Prefect's API does not answer: {len(finished_task_runs)} finished task runs may be missing from it, "
-        f"and {events} events and {logs} log lines queued for it were dropped{kept}"
-        + (f"; the unrecorded runs are listed in {where}" if where else ""))
+        f"and {events} events and {logs} log lines queued for it {how}{results_at}")
 
 
 def _note_unrecorded(entry: dict[str, Any]) -> Path | None:

@@ -1,0 +1,199 @@
+"""`hpc-garage replay JOB`: send Prefect's API what a job kept while the API did not answer (issue 11).
+
+Why. When the API dies mid-sweep the work goes on, and at the end of the flow prefect/outage.py keeps in the
+run directory's `unrecorded/` what Prefect still queued for the API: every process's events (Prefect 3
+records task runs from their `prefect.task-run.*` events: these are the records, not a list of them), its
+log lines, and the flow run's final state that the flow kept locally. Once the API answers again this sends
+them, through Prefect's own clients:
+- the events to the server's `/events/in` websocket (Prefect's events client, as the workers would have);
+  the server's task-run recorder builds the task runs from them, keyed by the events' ids, so an event it
+  holds already changes nothing;
+- the log lines to `/logs/`;
+- the flow run's kept final state, forced (`force=True`: the run ended long ago, and the orchestration
+  rules would refuse RUNNING -> COMPLETED from a client that is not the flow), where the API holds that flow
+  run in a state that is not final (a final state there, e.g. Crashed set by `run`, is left alone).
+Each file's lines sent, and each flow run set, are marked in `unrecorded/replayed.json`, so a second replay
+sends nothing again (and a file that grew since sends only its new lines). It ends with what the API now
+holds: the task runs the flow listed as finished, counted from the API.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from hpc_garage.core.errors import UserError
+
+__all__ = ["MARKS_FILE", "RECORD_WAIT", "replay"]
+
+MARKS_FILE = "replayed.json"  # in the kept directory: lines sent per file, flow runs set
+RECORD_WAIT = 60.0  # s to wait for the server's task-run recorder to write what the events say
+FINAL = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
+
+
+def replay(job_id: str, run_dir: Path | None) -> list[str]:
+    """Send what job `job_id` kept in `run_dir` to the API it was meant for; the lines to print. Refuses in one
+    line (UserError) an unknown job, a job with nothing (left) to replay, an API that still does not answer."""
+    from hpc_garage.prefect.outage import KEPT_DIR, SUMMARY_FILE
+
+    if run_dir is None or not run_dir.is_dir():
+        raise UserError(f"job {job_id}: no run directory here; pass --site if the job's site keeps its runs "
+                        "elsewhere")
+    kept = run_dir / KEPT_DIR
+    summary = _read_json(run_dir / SUMMARY_FILE)
+    if not kept.is_dir():
+        raise UserError(f"job {job_id}: nothing to replay ({kept} does not exist: Prefect's API answered to the "
+                        "end of its flow, or the flow kept nothing)")
+    marks = _read_json(kept / MARKS_FILE)
+    events, logs, states, sent = _pending(kept, marks)
+    if not (events or logs or states):
+        raise UserError(f"job {job_id}: nothing to replay: what {kept} holds was replayed already "
+                        f"({_when(marks)})")
+    url = _api_url(summary)
+    if url is None:
+        raise UserError(f"job {job_id}: {run_dir / SUMMARY_FILE} names no Prefect API, and none is configured; "
+                        "set PREFECT_API_URL to the API the job used and retry")
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: url}):
+        from hpc_garage.prefect.outage import api_answers
+
+        if not api_answers():
+            raise UserError(f"job {job_id}: Prefect's API at {url} does not answer yet; start it again (the same "
+                            f"database) and retry `hpc-garage replay {job_id}`")
+        import anyio
+
+        return anyio.run(_send, job_id, kept, marks, events, logs, states, sent,
+                         [str(i) for i in summary.get("task_run_ids") or []], url)
+
+
+def _pending(kept: Path, marks: dict[str, Any]) -> tuple[list[Any], list[dict[str, Any]], dict[str, Any],
+                                                          dict[str, int]]:
+    """What was not replayed yet: (events, log lines, flow runs' states, each file's line count once sent)."""
+    from hpc_garage.prefect.outage import FLOW_STATES_FILE
+
+    done: dict[str, int] = marks.get("files", {})
+    events: list[Any] = []
+    logs: list[dict[str, Any]] = []
+    sent: dict[str, int] = {}
+    for path in sorted(kept.glob("*.jsonl")):
+        lines = [line for line in path.read_text().splitlines() if line.strip()]
+        new = lines[done.get(path.name, 0):]
+        if not new:
+            continue
+        sent[path.name] = len(lines)
+        if path.name.startswith("events-"):
+            events += new
+        elif path.name.startswith("logs-"):
+            logs += [json.loads(line) for line in new]
+    flow_states = _read_json(kept / FLOW_STATES_FILE)
+    states = {run: state for run, state in flow_states.items() if run not in marks.get("flow_runs", {})}
+    if events:
+        from prefect.events.schemas.events import Event
+
+        unique = {e.id: e for e in (Event.model_validate_json(line) for line in events)}
+        events = sorted(unique.values(), key=lambda e: e.occurred)
+    return events, logs, states, sent
+
+
+async def _send(job_id: str, kept: Path, marks: dict[str, Any], events: list[Any], logs: list[dict[str, Any]],
+                states: dict[str, Any], sent: dict[str, int], listed: list[str], url: str) -> list[str]:
+    from prefect.client.orchestration import get_client
+    from prefect.events.clients import get_events_client
+
+    lines = []
+    if events:
+        async with get_events_client() as events_client:
+            for event in events:
+                await events_client.emit(event)
+    async with get_client() as client:
+        for start in range(0, len(logs), 200):
+            await client.create_logs(logs[start:start + 200])
+        _mark(kept, marks, files=sent)  # the events and logs went out; the flow runs are marked one by one
+        lines.append(f"job {job_id}: sent {len(events)} events and {len(logs)} log lines to Prefect's API at {url}")
+        for flow_run_id, kept_state in states.items():
+            lines.append(await _set_flow_state(client, flow_run_id, kept_state))
+            _mark(kept, marks, flow_runs={flow_run_id: kept_state["type"]})
+        finished = [e.resource.id.removeprefix("prefect.task-run.") for e in events
+                    if e.event.startswith("prefect.task-run.") and e.resource.get("prefect.state-type") in FINAL]
+        if listed or finished:
+            final = await _recorded(client, list(dict.fromkeys([*listed, *finished])))
+            held = sum(1 for i in listed if i in final)
+            lines.append(f"Prefect's API now holds {held} of the {len(listed)} task runs the flow listed as finished "
+                         f"in a final state, and {sum(1 for i in finished if i in final)} of the {len(finished)} "
+                         "the replayed events finished" + ("" if len(final) >= len(set(listed) | set(finished)) else
+                                                          " (its recorder may still be writing; look again shortly)"))
+    return lines
+
+
+async def _set_flow_state(client: Any, flow_run_id: str, kept_state: dict[str, Any]) -> str:
+    """Set the flow run's kept state where the API holds it in a state that is not final."""
+    from prefect.client.schemas.objects import State, StateType
+    from prefect.exceptions import ObjectNotFound
+
+    try:
+        flow_run = await client.read_flow_run(flow_run_id)
+    except ObjectNotFound:
+        return f"flow run {flow_run_id}: not in this API (another database?); its state is not set"
+    was = flow_run.state.type.value if flow_run.state else "no state"
+    if flow_run.state is not None and flow_run.state.is_final():
+        return f"flow run {flow_run_id} is {was} in the API already; its kept {kept_state['type']} is not set"
+    state = State(type=StateType(kept_state["type"]), name=kept_state.get("name"), message=kept_state.get("message"))
+    await client.set_flow_run_state(flow_run_id, state, force=True)
+    return f"flow run {flow_run_id} set {kept_state['type']} (was {was})"
+
+
+async def _recorded(client: Any, wanted: list[str]) -> set[str]:
+    """Which of `wanted` task runs the API holds in a final state, once its recorder has caught up with the
+    events (bounded by RECORD_WAIT; it writes in batches every few seconds, and a count that stops moving
+    for 15 s is taken as its last word)."""
+    import anyio
+    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterId
+
+    deadline, last_change, final = time.monotonic() + RECORD_WAIT, time.monotonic(), set()
+    while True:
+        runs = await client.read_task_runs(task_run_filter=TaskRunFilter(id=TaskRunFilterId(any_=wanted)),
+                                           limit=len(wanted))
+        now = {str(r.id) for r in runs if r.state_type is not None and r.state_type.value in FINAL}
+        if now != final:
+            final, last_change = now, time.monotonic()
+        if len(final) == len(wanted) or time.monotonic() > deadline or time.monotonic() - last_change > 15:
+            return final
+        await anyio.sleep(1.0)
+
+
+def _mark(kept: Path, marks: dict[str, Any], *, files: dict[str, int] | None = None,
+          flow_runs: dict[str, str] | None = None) -> None:
+    from hpc_garage.files import write_private
+
+    marks.setdefault("files", {}).update(files or {})
+    marks.setdefault("flow_runs", {}).update(flow_runs or {})
+    marks["replayed"] = time.time()
+    write_private(kept / MARKS_FILE, json.dumps(marks, indent=1))
+
+
+def _api_url(summary: dict[str, Any]) -> str | None:
+    """The API the job used (unrecorded.json), else the one Prefect is configured with here."""
+    if summary.get("api_url"):
+        return str(summary["api_url"])
+    from prefect.settings import get_current_settings
+
+    url = get_current_settings().api.url
+    return str(url) if url else None
+
+
+def _when(marks: dict[str, Any]) -> str:
+    at = marks.get("replayed")
+    return f"last at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(at))}" if at else "earlier"
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{path} cannot be read ({exc}); it was written by the job's flow") from None
+    return data if isinstance(data, dict) else {}
