@@ -188,6 +188,27 @@ def test_worker_jobs_end_with_a_driver_job_given_time_1(tmp_path: Path) -> None:
     assert all(s["last"] <= driver_last + 0.5 for s in workers.values()), (workers, driver_last)
 
 
+def test_a_login_node_driver_given_time_1_bounds_its_worker_jobs_and_winds_down(tmp_path: Path) -> None:
+    """`submit --time 1` on a site whose driver runs on the login node: the run lasts about that minute, its
+    worker jobs ask for it (not the site's 10 minutes) and are gone when it ends, and it exits 75 (resume it)."""
+    env = write_site(tmp_path / "sites", "jq-login", "00:10:00", jobs=2, driver="login")
+    script, marks, out = tmp_path / "trials.py", tmp_path / "marks", tmp_path / "out.json"
+    script.write_text(TRIALS)
+    marks.mkdir()
+    with QueueWatch() as queue:  # 40 x 5 s on 2 GPUs: more than the minute
+        began = time.time()
+        done = subprocess.run([PY, "-m", "hpc_garage", "submit", "--site", "jq-login", "--time", "1",
+                               str(script), str(out), str(marks), "40", "5", "release"],
+                              capture_output=True, text=True, env=env, cwd=tmp_path, timeout=240)
+        took = time.time() - began
+    workers = {j: x for j, x in queue.jobs.items() if x["name"].startswith("hpcg-jq-login-")}
+    assert done.returncode == 75, done.stderr[-3000:]
+    assert "winding down" in done.stderr, done.stderr[-3000:]
+    assert len(workers) >= 2 and {s["limit"] for s in workers.values()} == {"1:00"}, workers
+    assert in_queue(sorted(workers)) == [] and took < 90, (took, workers)
+    assert not out.exists() and list(marks.glob("*.json"))  # stopped short, with trials kept to resume
+
+
 def test_worker_jobs_leave_the_queue_within_a_minute_of_a_run_killed_outright(tmp_path: Path) -> None:
     env = write_site(tmp_path / "sites", "jq-kill", "00:10:00", jobs=2)
     script, marks, out = tmp_path / "trials.py", tmp_path / "marks", tmp_path / "out.json"

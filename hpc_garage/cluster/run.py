@@ -65,8 +65,12 @@ ApiForHost = Callable[[str], dict[str, str]]
 
 def run(site: Site, command: list[str], *, insecure: bool = False, timeout: float = 180,
         env: Mapping[str, str] | None = None, api: ApiForHost | None = None, sweep: str | None = None,
-        sweep_epoch: int | None = None, resume: bool = False) -> int:
+        sweep_epoch: int | None = None, resume: bool = False, walltime: int | None = None) -> int:
     """Run COMMAND against a cluster shaped by the site, in this job or here; COMMAND's exit code.
+
+    `walltime` (seconds; `submit --time` for a jobqueue site whose driver runs on the login node): how long
+    this run may last outside a batch job. Its worker jobs end before it, and it winds down as a job does at
+    its walltime (no follow-up job: resume it).
 
     `api(host)` gives the environment that points the flow and every worker at one Prefect API listening
     where the scheduler does (the CLI passes `prefect.server.ensure_api`); None: no API is arranged.
@@ -86,7 +90,7 @@ def run(site: Site, command: list[str], *, insecure: bool = False, timeout: floa
 
         job_id = batch_job_id(env) or f"local-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         layout_, notes = initial_layout(site)
-        launcher = JobqueueLauncher(site, job_id, run_end_time(site, env))  # worker jobs end before it
+        launcher = JobqueueLauncher(site, job_id, run_end_time(site, env, walltime))  # worker jobs end before it
     elif site.scheduler != "local" and in_batch_job(env):
         allocation = allocation_from_env(site, env)
         layout_ = layout(site, allocation)
@@ -115,7 +119,8 @@ def run(site: Site, command: list[str], *, insecure: bool = False, timeout: floa
         say("--insecure: the cluster speaks plain tcp; anyone who can reach its ports can run code in it")
     say(f"sweep {swept.key} (results in {swept.results})")
     rundir = RunDir.for_job(site.run_directory, job_id).create()
-    ending = _wind_down(site, env, job_id, rundir) if in_job else None
+    ending = (_wind_down(site, env, job_id, rundir) if in_job
+              else _run_deadline(site, job_id, walltime) if walltime is not None else None)
     try:
         return asyncio.run(_serve(site, layout_, launcher, rundir, job_id, command, env, insecure, timeout, api,
                                   swept, ending))
@@ -259,6 +264,12 @@ def _wind_down(site: Site, env: Mapping[str, str], job_id: str, rundir: RunDir) 
             batch.run(batch.cancel_argv(other))
 
     return WindDown(site, job_id, lambda: batch.time_left(job_id), follow_up, cancel)
+
+
+def _run_deadline(site: Site, job_id: str, walltime: int) -> WindDown:
+    """The watch on a run outside a batch job that was given a walltime: its end is `walltime` from now."""
+    end = time.time() + walltime
+    return WindDown(site, job_id, lambda: (end - time.time(), float(walltime)), None, lambda other: None)
 
 
 def _import_in_background(modules: list[str]) -> threading.Thread:
