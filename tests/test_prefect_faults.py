@@ -1,7 +1,9 @@
 """Prefect's API failing under a running sweep (issue 11), on the real local SLURM, against a Prefect server
 started for these tests only (its own PREFECT_HOME and port; the job gets its PREFECT_API_URL):
 - the server SIGKILLed mid-sweep: the job exits 0 with the right result within a minute of the work ending,
-  and its log says what was not recorded (hpc_garage/prefect/outage.py);
+  and its log says what was not recorded and where it was kept (hpc_garage/prefect/outage.py); the server
+  started again on its database, `hpc-garage replay JOB` makes the API hold every trial COMPLETED and the flow
+  run COMPLETED (hpc_garage/prefect/replay.py);
 - the job cancelled mid-sweep: the flow run is in a final state in the API.
 """
 
@@ -36,14 +38,19 @@ class Server:
     def __init__(self, home: Path) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}/api"
-        env = {**os.environ, "PREFECT_HOME": str(home), "DO_NOT_TRACK": "1", "PREFECT_SERVER_UI_ENABLED": "false",
-               "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+            self.port = s.getsockname()[1]
+        self.home = home
+        self.url = f"http://127.0.0.1:{self.port}/api"
+        self.start()
+
+    def start(self) -> None:
+        """`prefect server start` on this server's port and database (again, after a kill: the same API)."""
+        env = {**os.environ, "PREFECT_HOME": str(self.home), "DO_NOT_TRACK": "1",
+               "PREFECT_SERVER_UI_ENABLED": "false", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
         env.pop("PREFECT_API_URL", None)
         self.process = subprocess.Popen([PY, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port",
-                                         str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                        start_new_session=True)
+                                         str(self.port)], env=env, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL, start_new_session=True)
         deadline = time.monotonic() + 180  # a fresh database is migrated first: 15-60 s here
         while not self.answers():
             assert self.process.poll() is None and time.monotonic() < deadline, "the test's Prefect server did not start"
@@ -62,6 +69,10 @@ class Server:
 
     def flow_runs(self) -> list[dict]:
         return httpx.post(f"{self.url}/flow_runs/filter", json={}, timeout=10).json()
+
+    def task_runs(self, flow_run_id: str) -> list[dict]:
+        return httpx.post(f"{self.url}/task_runs/filter", json={"flow_runs": {"id": {"any_": [flow_run_id]}}},
+                          timeout=10).json()
 
 
 @pytest.fixture
@@ -107,8 +118,35 @@ def test_the_api_killed_mid_sweep_leaves_the_sweep_its_own_outcome(tmp_path: Pat
                      r"events and (\d+) log lines", log)
     assert said and int(said.group(1)) == TRIALS + 1, log[-4000:]  # every trial and the total
     assert re.search(r"flow run \S+ is COMPLETED here; Prefect's API does not answer", log), log[-4000:]
+    assert f"were kept for replay in {log_path.with_suffix('')}/unrecorded (`hpc-garage replay {job}`" in log
     unrecorded = json.loads((log_path.with_suffix("") / "unrecorded.json").read_text())  # runs/JOB.out -> runs/JOB/
     assert unrecorded["flow_run_state"] == "COMPLETED" and len(unrecorded["task_run_ids"]) == TRIALS + 1
+
+    # the API back on its database: `hpc-garage replay JOB` sends what the job kept, and the API then holds
+    # every trial and the total COMPLETED, and the flow run in its final state (counted from the API)
+    restarted = time.time()
+    server.start()
+    deadline = time.monotonic() + 180
+    while not server.answers():
+        assert server.process.poll() is None and time.monotonic() < deadline, "the Prefect server did not restart"
+        time.sleep(0.3)
+    flow_run_id = unrecorded["flow_run_id"]
+    before = sorted(t["state_type"] for t in server.task_runs(flow_run_id))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "PBS_", "HPC_GARAGE", "PREFECT_API"))}
+    replayed = time.time()
+    done = subprocess.run([PY, "-m", "hpc_garage", "replay", job], capture_output=True, text=True, env=env,
+                          timeout=180)
+    print(f"API restarted in {replayed - restarted:.1f} s; replay took {time.time() - replayed:.1f} s; before it "
+          f"the API held {before.count('COMPLETED')} of {TRIALS + 1} task runs COMPLETED ({len(before)} in all)")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"holds {TRIALS + 1} of the {TRIALS + 1} task runs the flow listed as finished" in done.stdout, done.stdout
+    task_runs = server.task_runs(flow_run_id)
+    assert sorted(t["name"].split("-")[0] for t in task_runs) == ["total"] + ["trial"] * TRIALS, task_runs
+    assert {t["state_type"] for t in task_runs} == {"COMPLETED"}, [(t["name"], t["state_type"]) for t in task_runs]
+    assert [(r["id"], r["state_type"]) for r in server.flow_runs()] == [(flow_run_id, "COMPLETED")]
+    again = subprocess.run([PY, "-m", "hpc_garage", "replay", job], capture_output=True, text=True, env=env,
+                           timeout=120)
+    assert again.returncode == 2 and "replayed already" in again.stderr, again.stdout + again.stderr
 
 
 def test_a_cancelled_job_leaves_its_flow_run_in_a_final_state(tmp_path: Path, server: Server) -> None:
