@@ -167,15 +167,17 @@ def source_changes(results: Path) -> dict[str, int]:
 def across_jobs(kept: int, jobs: Sequence[tuple[dict[str, Any] | None, bool]]) -> dict[str, int]:
     """A sweep's trials across the jobs of its epoch, from each job's progress (oldest first; `True`: the
     job is still running). Done: the finished trials the epoch keeps, or the most one job saw done (a later
-    job reads earlier trials back, so it counts them too). Running, failed and to go: the latest job that
-    reported, since a trial that failed or never started in one job runs in the next."""
+    job reads earlier trials back, so it counts them too). Running and failed: the latest job that reported
+    (a trial that failed in one job runs again in the next). To go: the most trials any job knew of, less
+    done, running and failed (a job stopped at its walltime forgets the trials it never started)."""
     reported = [(progress, live) for progress, live in jobs if progress]
     latest, live = reported[-1] if reported else ({}, False)
-    running = int(latest.get("running", 0))
-    return {"done": max([kept, *(int(p.get("done", 0)) for p, _ in reported)]),
-            "running": running if live else 0,
-            "failed": int(latest.get("failed", 0)),
-            "to_go": int(latest.get("waiting", 0)) + (0 if live else running),
+    done = max([kept, *(int(p.get("done", 0)) for p, _ in reported)])
+    running = int(latest.get("running", 0)) if live else 0
+    total = max([done, *(int(p.get("total", sum(int(p.get(k, 0)) for k in ("done", "running", "failed", "waiting"))))
+                         for p, _ in reported)])
+    failed = int(latest.get("failed", 0))
+    return {"done": done, "running": running, "failed": failed, "to_go": max(total - done - running - failed, 0),
             "jobs": len(jobs)}
 
 

@@ -124,6 +124,7 @@ def test_walltime_ends_in_a_follow_up_job_and_the_sweep_completes_unattended(tmp
     assert max(starts.values()) <= 2, starts
     jobs = sweep_record(tmp_path)["epochs"]["1"]["jobs"]
     assert len(jobs) >= 2 and {j["how"] for j in jobs[1:]} == {"follow-up"}, jobs
+    print(done.stdout)
     print(f"{len(jobs)} jobs; trials interrupted at a job's end and run again: {sum(starts.values()) - trials}")
     starts_ns = sorted(int(p.name.split("-")[3]) for p in (tmp_path / "marks").glob("start-*"))
     for job in jobs[1:]:  # the figure issue 10 asks for: a follow-up job's start to its first new trial

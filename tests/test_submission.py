@@ -224,6 +224,8 @@ def test_an_older_jobs_files_under_a_recycled_id_are_ignored(lab: Path, fake: Fa
         (JobStatus("1", "RUNNING", "running"), {"phase": "workers", "workers": 3, "expected": 8}, "workers 3/8"),
         (JobStatus("1", "RUNNING", "running"), {"phase": "running", "workers": 8, "expected": 8}, "running (8 workers)"),
         (JobStatus("1", "RUNNING", "running"), {"phase": "running", "workers": 1}, "running (1 worker)"),
+        (JobStatus("1", "RUNNING", "running"), {"phase": "winding down", "progress": {"done": 3, "running": 1}},
+         "winding down: 3 done, 1 running, 0 failed, 0 waiting"),
         (JobStatus("1", "COMPLETED", "finished", exit_code=0), None, "done"),
         (JobStatus("1", "FAILED", "finished", exit_code=3), None, "failed (exit 3)"),
         (JobStatus("1", "CANCELLED", "finished", exit_code=143), None, "cancelled (exit 143)"),

@@ -101,6 +101,7 @@ class RunProgress(SchedulerPlugin):
         self.started = time.time()
         self.first_task: float | None = None
         self.known: dict[str, None] = {}  # ordered: the newest last
+        self.most_known = 0  # the most trials known at once: a COMMAND stopped mid-sweep forgets the rest
         self.trials: dict[str, TrialRecord] = {}
         self.sampled: dict[str, dict[str, Any]] = {}  # key → the worker's sampler event
         self.workers: dict[str, WorkerRecord] = {}  # by address
@@ -143,6 +144,7 @@ class RunProgress(SchedulerPlugin):
             return
         if name not in self.known:
             self.known[name] = None
+            self.most_known = max(self.most_known, len(self.known))
             if self.first_task is None:
                 self.first_task = time.time()
         if start != "processing" or finish not in ("memory", "erred"):
@@ -195,7 +197,7 @@ class RunProgress(SchedulerPlugin):
             rate = len(self.trials) / max(now - self.first_task, 1e-6)
             eta = round((waiting + running) / rate, 1)
         figures: dict[str, Any] = {
-            "done": done, "running": running, "failed": failed, "waiting": waiting,
+            "done": done, "running": running, "failed": failed, "waiting": waiting, "total": self.most_known,
             "gpus_busy": _number(busy_gpus), "gpus": _number(sum(float(ws.resources.get("GPU", 0))
                                                                 for ws in s.workers.values())),
             "elapsed": round(now - self.started, 1), "eta": eta, "updated": now,

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 SUBMIT_FILE = "submit.json"
 STATE_FILE = "state.json"
 SCRIPT_FILE = "job.sh"
-SWEEP_SECONDS = 5.0  # `--wait` reads a sweep's directory this often
+SWEEP_SECONDS = 2.0  # `--wait` reads a sweep's directory this often (run writes progress as often)
 CLOCK_SLACK = 5.0  # seconds: a state.json or log older than the submission (minus this) is an older job's
 
 
@@ -294,6 +294,8 @@ class JobView:
             workers, expected = state.get("workers"), state.get("expected")
             if phase == "workers" and expected:
                 return f"workers {workers or 0}/{expected}"
+            if phase == "winding down" and (progress := state.get("progress")):  # walltime, a warning signal
+                return f"winding down: {progress_text(progress)}"
             if phase == "running":
                 if progress := state.get("progress"):
                     return f"running: {progress_text(progress)}"
