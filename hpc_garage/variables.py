@@ -20,6 +20,7 @@ SWEEP_ENV = "HPC_GARAGE_SWEEP"  # set by `run` for COMMAND and workers: the swee
 RESULTS_ENV = "HPC_GARAGE_RESULTS"  # set by `run`: where that epoch's results are persisted
 PREFECT_SERVER_IDLE = "HPC_GARAGE_PREFECT_SERVER_IDLE"  # seconds with no use before the managed server stops
 PREFECT_DATABASE = "HPC_GARAGE_PREFECT_DATABASE"  # sqlite, postgresql (managed) or a postgresql+asyncpg:// URL
+PREFECT_SERVER_ENV = "HPC_GARAGE_PREFECT_SERVER"  # set with the managed server's API: its machine, bind, database
 
 _YES = ("1", "true", "yes", "on")
 _NO = ("0", "false", "no", "off")

@@ -1,6 +1,7 @@
 """`hpc-garage replay JOB` (hpc_garage/prefect/replay.py) against a real Prefect server: what a run directory
 kept is sent once (a second replay sends nothing again; lines added since are sent alone), and each bad input
-is one line with exit 2 that names what to do. The kept files are written here as the flow's outage path
+is one line with exit 2 that names what to do; a job whose API was hpc-garage's managed server reaches the
+one that runs now (started again on another port and auth string). The kept files are written here as the flow's outage path
 writes them (events as Prefect's task engine makes them, with their flow run); tests/test_prefect_faults.py
 replays a real job's after SIGKILLing its API.
 """
@@ -129,10 +130,61 @@ def test_replay_refuses_bad_input_in_one_line(runs: tuple[Path, dict[str, str]])
         s.bind(("127.0.0.1", 0))
         down = f"http://127.0.0.1:{s.getsockname()[1]}/api"
     kept = kept_run(root / JOB, down, str(uuid.uuid4()), [str(uuid.uuid4())])
-    still_down = hpcg("replay", JOB, env=env)
+    still_down = hpcg("replay", JOB, env={k: v for k, v in env.items() if k != "PREFECT_API_URL"})  # else it wins
     assert still_down.returncode == 2 and still_down.stderr.count("\n") == 1, still_down.stderr
     assert f"Prefect's API at {down} does not answer yet" in still_down.stderr
     assert f"retry `hpc-garage replay {JOB}`" in still_down.stderr
     assert not (kept / "replayed.json").exists()  # nothing marked: the next try sends it all
-    for result in (unknown, nothing, still_down):
+
+    summary = json.loads((root / JOB / "unrecorded.json").read_text())  # the job's API was hpc-garage's server:
+    refused = []  # on another machine; on this one, on another database than the server here has or would have
+    for server, says in (({"machine": "elsewhere", "host": "127.0.0.1", "database": "sqlite"},
+                          "its Prefect API was hpc-garage's server on elsewhere (host 127.0.0.1, database sqlite); "
+                          "run this on elsewhere, or set PREFECT_API_URL"),
+                         ({"machine": socket.gethostname().split(".")[0], "host": "127.0.0.1",
+                           "database": "postgresql (managed)"},
+                          "its Prefect API was hpc-garage's server on database postgresql (managed), and the one "
+                          "here")):
+        (root / JOB / "unrecorded.json").write_text(json.dumps({**summary, "prefect_server": server}))
+        refused.append(hpcg("replay", JOB, env={k: v for k, v in env.items() if k != "PREFECT_API_URL"}))
+        assert refused[-1].returncode == 2 and refused[-1].stderr.count("\n") == 1, refused[-1].stderr
+        assert f"job {JOB}: {says}" in refused[-1].stderr, refused[-1].stderr
+    for result in (unknown, nothing, still_down, *refused):
         assert "Traceback" not in result.stderr
+
+
+def test_replay_reaches_the_managed_server_started_again(runs: tuple[Path, dict[str, str]], api: dict[str, str],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The job's API was hpc-garage's server; it stopped (`hpc-garage server stop`, as when it idles out) and
+    nothing started it again: replay starts it, on another port and auth string, and the API then holds the
+    job's runs. Runs last in this module: it replaces the module's server (about 15 s, most of it the start)."""
+    from hpc_garage.cluster.handoff import RUN_DIR_ENV
+    from hpc_garage.prefect import outage
+    from hpc_garage.prefect.server import state_dir
+
+    root, env = runs
+    env = {k: v for k, v in env.items() if not k.startswith("PREFECT_API_")}  # the user names no API of theirs
+    url, auth = api["PREFECT_API_URL"], api["PREFECT_API_AUTH_STRING"]
+    http = httpx.Client(base_url=url, auth=tuple(auth.split(":", 1)), timeout=30)
+    flow = http.post("/flows/", json={"name": "replay-managed-test"}).json()
+    flow_run_id = http.post("/flow_runs/", json={"flow_id": flow["id"], "state": {"type": "RUNNING"}}).json()["id"]
+    task_run_ids = [str(uuid.uuid4()) for _ in range(2)]
+    run_dir = root / "4343"
+    kept_run(run_dir, url, flow_run_id, task_run_ids)
+    (run_dir / "unrecorded.json").unlink()
+    monkeypatch.setenv(RUN_DIR_ENV, str(run_dir))  # the summary as the job's flow process writes it, with the
+    outage._note_unrecorded({"flow_run_id": flow_run_id, "task_run_ids": task_run_ids})  # API env it was given
+    summary = json.loads((run_dir / "unrecorded.json").read_text())
+    assert summary["api_url"] == url and summary["prefect_server"]["database"] == "sqlite", summary
+
+    stopped = hpcg("server", "stop", env=env)
+    assert stopped.returncode == 0 and not (state_dir() / "server.json").exists(), stopped.stdout + stopped.stderr
+    replayed = hpcg("replay", "4343", env=env)
+    assert replayed.returncode == 0, replayed.stdout + replayed.stderr
+    now = json.loads((state_dir() / "server.json").read_text())  # the server replay started
+    assert (now["url"], now["auth"]) != (url, auth) and now["url"] in replayed.stdout, replayed.stdout
+    assert f"flow run {flow_run_id} set COMPLETED (was RUNNING)" in replayed.stdout
+    http = httpx.Client(base_url=now["url"], auth=tuple(now["auth"].split(":", 1)), timeout=30)
+    task_runs = http.post("/task_runs/filter", json={"task_runs": {"id": {"any_": task_run_ids}}}).json()
+    assert sorted(t["state_type"] for t in task_runs) == ["COMPLETED"] * 2  # counted from the new instance
+    assert http.get(f"/flow_runs/{flow_run_id}").json()["state_type"] == "COMPLETED"

@@ -69,7 +69,9 @@ def test_one_server_shared_reused_authenticated_and_stopped(home: Path) -> None:
     env = envs[0]
     state = json.loads((state_dir() / "server.json").read_text())
     assert env == {"PREFECT_API_URL": state["url"], "PREFECT_API_AUTH_STRING": state["auth"],
-                   "DO_NOT_TRACK": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+                   "DO_NOT_TRACK": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                   "HPC_GARAGE_PREFECT_SERVER": json.dumps({"machine": os.uname().nodename.split(".")[0],
+                                                            "host": "127.0.0.1", "database": "sqlite"})}
     directory = home / ".hpc-garage" / "prefect" / os.uname().nodename.split(".")[0]
     assert stat.S_IMODE(directory.stat().st_mode) == 0o700
     assert stat.S_IMODE((directory / "server.json").stat().st_mode) == 0o600

@@ -43,12 +43,14 @@ from typing import Any
 import httpx
 
 from hpc_garage.cluster.handoff import JOB_ID_ENV, RUN_DIR_ENV
+from hpc_garage.variables import PREFECT_SERVER_ENV
 
 __all__ = ["ApiOutage", "KEPT_DIR", "SUMMARY_FILE", "api_answers", "api_down", "install", "is_outage_error",
            "outage"]
 
 KEPT_DIR = "unrecorded"  # in the run directory: what the API did not get, one file per process and kind
-SUMMARY_FILE = "unrecorded.json"  # in the run directory: the counts, the ids, the API it was meant for
+SUMMARY_FILE = "unrecorded.json"  # in the run directory: the counts, the ids, the API it was meant for (and
+# prefect_server: which hpc-garage-managed server that API was, where it was one)
 FLOW_STATES_FILE = "flow-runs.json"  # in KEPT_DIR: each flow run's last state kept here, not recorded there
 
 PROBE_TIMEOUT = 3.0  # s a /health probe may take before the API counts as not answering
@@ -359,6 +361,12 @@ def _note_unrecorded(entry: dict[str, Any]) -> Path | None:
         else:
             data[key] = value
     data["api_url"] = os.environ.get("PREFECT_API_URL")
+    data.pop("prefect_server", None)
+    if managed := os.environ.get(PREFECT_SERVER_ENV):  # hpc-garage's server: replay finds it as it runs then
+        try:
+            data["prefect_server"] = json.loads(managed)
+        except ValueError:
+            pass
     data["updated"] = time.time()
     write_private(path, json.dumps(data, indent=1))
     return path

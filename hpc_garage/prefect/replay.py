@@ -15,6 +15,10 @@ them, through Prefect's own clients:
 Each file's lines sent, and each flow run set, are marked in `unrecorded/replayed.json`, so a second replay
 sends nothing again (and a file that grew since sends only its new lines). It ends with what the API now
 holds: the task runs the flow listed as finished, counted from the API.
+
+Which API: where the job's was hpc-garage's managed server (unrecorded.json's prefect_server), the one that
+runs now (after idling out or dying it starts again on another port, with another auth string), started
+if none runs; PREFECT_API_URL set in the environment wins over that and over the URL the job recorded.
 """
 
 from __future__ import annotations
@@ -34,8 +38,9 @@ FINAL = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
 
 
 def replay(job_id: str, run_dir: Path | None) -> list[str]:
-    """Send what job `job_id` kept in `run_dir` to the API it was meant for; the lines to print. Refuses in one
-    line (UserError) an unknown job, a job with nothing (left) to replay, an API that still does not answer."""
+    """Send what job `job_id` kept in `run_dir` to the API it was meant for (`_api`); the lines to print. Refuses
+    in one line (UserError) an unknown job, a job with nothing (left) to replay, an API that still does not
+    answer."""
     from hpc_garage.prefect.outage import KEPT_DIR, SUMMARY_FILE
 
     if run_dir is None or not run_dir.is_dir():
@@ -51,13 +56,15 @@ def replay(job_id: str, run_dir: Path | None) -> list[str]:
     if not (events or logs or states):
         raise UserError(f"job {job_id}: nothing to replay: what {kept} holds was replayed already "
                         f"({_when(marks)})")
-    url = _api_url(summary)
-    if url is None:
+    api = _api(job_id, summary)
+    if api is None:
         raise UserError(f"job {job_id}: {run_dir / SUMMARY_FILE} names no Prefect API, and none is configured; "
                         "set PREFECT_API_URL to the API the job used and retry")
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
-    with temporary_settings(updates={PREFECT_API_URL: url}):
+    url = api["PREFECT_API_URL"]
+    auth = {PREFECT_API_AUTH_STRING: api["PREFECT_API_AUTH_STRING"]} if "PREFECT_API_AUTH_STRING" in api else {}
+    with temporary_settings(updates={PREFECT_API_URL: url, **auth}):
         from hpc_garage.prefect.outage import api_answers
 
         if not api_answers():
@@ -174,14 +181,25 @@ def _mark(kept: Path, marks: dict[str, Any], *, files: dict[str, int] | None = N
     write_private(kept / MARKS_FILE, json.dumps(marks, indent=1))
 
 
-def _api_url(summary: dict[str, Any]) -> str | None:
-    """The API the job used (unrecorded.json), else the one Prefect is configured with here."""
+def _api(job_id: str, summary: dict[str, Any]) -> dict[str, str] | None:
+    """Where to send it, as PREFECT_API_* settings: PREFECT_API_URL in this environment, where it is set (the
+    user says where); else hpc-garage's managed server, where the job used one, as it runs now (it may have
+    idled out and started again on another port and auth string; none running is started); else the API the
+    job used (unrecorded.json); else the one Prefect is configured with here (its profile)."""
+    import os
+
+    if os.environ.get("PREFECT_API_URL", "").strip():
+        return {"PREFECT_API_URL": os.environ["PREFECT_API_URL"].strip()}
+    if isinstance(managed := summary.get("prefect_server"), dict):
+        from hpc_garage.prefect.server import managed_api
+
+        return managed_api(managed, f"job {job_id}")
     if summary.get("api_url"):
-        return str(summary["api_url"])
+        return {"PREFECT_API_URL": str(summary["api_url"])}
     from prefect.settings import get_current_settings
 
     url = get_current_settings().api.url
-    return str(url) if url else None
+    return {"PREFECT_API_URL": str(url)} if url else None
 
 
 def _when(marks: dict[str, Any]) -> str:

@@ -52,7 +52,7 @@ from typing import Any
 
 from hpc_garage.core.errors import UserError
 from hpc_garage.files import locked, pid_alive, write_private
-from hpc_garage.variables import PREFECT_DATABASE, PREFECT_SERVER_IDLE, seconds
+from hpc_garage.variables import PREFECT_DATABASE, PREFECT_SERVER_ENV, PREFECT_SERVER_IDLE, seconds
 
 LOOPBACK = "127.0.0.1"
 QUIET = {"DO_NOT_TRACK": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
@@ -85,7 +85,11 @@ class ServerState:
     idle_timeout: float = IDLE_DEFAULT
 
     def client_env(self) -> dict[str, str]:
-        return {"PREFECT_API_URL": self.url, "PREFECT_API_AUTH_STRING": self.auth, **QUIET}
+        """The API's address and auth, and which managed server it is: a flow that outlives it keeps that
+        (prefect/outage.py), and `hpc-garage replay` then finds the one running now (`managed_api`)."""
+        return {"PREFECT_API_URL": self.url, "PREFECT_API_AUTH_STRING": self.auth, **QUIET,
+                PREFECT_SERVER_ENV: json.dumps({"machine": machine_name(), "host": self.host,
+                                                "database": self.database})}
 
 
 def ensure_api(host: str = LOOPBACK, *, env: Mapping[str, str] | None = None,
@@ -136,6 +140,27 @@ def ensure_server(host: str = LOOPBACK, *, timeout: float = START_TIMEOUT) -> Se
         state = _start(directory, host, timeout, idle, database)
         _lease(directory)
         return state
+
+
+def managed_api(recorded: Mapping[str, Any], who: str) -> dict[str, str]:
+    """The environment for the managed server a run used (`recorded`: its PREFECT_SERVER_ENV) as it runs now:
+    it may have idled out or died and started again on another port with another auth string, and none
+    running is started, as for any flow. Refused in one line (`who` says for what) where that server was
+    another machine's, or where the one here runs, or would start, on another database than it did."""
+    machine, host = str(recorded.get("machine") or "?"), str(recorded.get("host") or LOOPBACK)
+    database = str(recorded.get("database") or "sqlite")
+    if machine != machine_name():
+        raise UserError(f"{who}: its Prefect API was hpc-garage's server on {machine} (host {host}, database "
+                        f"{database}); run this on {machine}, or set PREFECT_API_URL to a server on that database")
+    state = _read_state(state_dir(host))
+    running = state is not None and _pid_alive(state.pid) and _answers(state, patience=REUSE_PATIENCE)
+    now = state.database if running and state is not None else database_choice(os.environ).label()
+    if now != database:
+        how = "runs on" if running else f"would start on (from {PREFECT_DATABASE})"
+        stop = f"stop it (hpc-garage server stop --host {host}), " if running else ""
+        raise UserError(f"{who}: its Prefect API was hpc-garage's server on database {database}, and the one here "
+                        f"{how} {now}; {stop}set {PREFECT_DATABASE} to that database and retry")
+    return ensure_server(host).client_env()
 
 
 def stop_server(host: str = LOOPBACK) -> bool:
@@ -348,9 +373,14 @@ def _uid(name: str) -> int:
     return pwd.getpwnam(name).pw_uid
 
 
+def machine_name() -> str:
+    """This machine's short host name: what names its servers' state directory."""
+    return socket.gethostname().split(".")[0]
+
+
 def state_dir(host: str = LOOPBACK) -> Path:
     """Per machine because ~ is usually shared by every node of a cluster; per bind address under it."""
-    base = Path.home() / ".hpc-garage" / "prefect" / socket.gethostname().split(".")[0]
+    base = Path.home() / ".hpc-garage" / "prefect" / machine_name()
     directory = base if host in (LOOPBACK, "localhost") else base / f"bind-{host}"
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     for d in (directory, *directory.parents):
