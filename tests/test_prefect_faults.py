@@ -177,10 +177,11 @@ def flow_process(marks: Path) -> int:
 
 
 def test_a_killed_flow_process_leaves_no_running_flow_run(tmp_path: Path, server: Server) -> None:
-    """SIGKILL gives the flow no chance to say Crashed; `run` says it for it."""
+    """SIGKILL gives the flow no chance to say Crashed; `run` says it for it, even before any trial finished
+    (the task runner noted its flow run in the run directory at its first submission)."""
     job, marks, out, log_path = submit_sweep(tmp_path, server, LONG)
-    wait_marks(marks, "done", 2, timeout=150)
-    time.sleep(3)  # `run` learns the flow run from a finished trial (every 2 s)
+    wait_marks(marks, "start", 1, timeout=150)
+    assert not list(marks.glob("done-*"))  # no finished trial has told `run` the flow run
     os.kill(flow_process(marks), signal.SIGKILL)
     final = wait_gone(job, 120)
     log = log_path.read_text(errors="replace")

@@ -12,6 +12,7 @@ The flow finds the file through $HPC_GARAGE_SCHEDULER_FILE, which `run` exports 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -33,6 +34,27 @@ JOB_ID_ENV = "HPC_GARAGE_JOB_ID"
 RUN_DIR_ENV = "HPC_GARAGE_RUN_DIR"
 START_TIMEOUT_ENV = "HPC_GARAGE_START_TIMEOUT"  # how long `run` gives its workers; COMMAND waits as long
 HANDOFF_FILES = ("scheduler.json", "dask-scheduler.json", "tls", "workers")
+FLOW_RUNS_FILE = "flow-runs"  # in the run directory: the flow runs COMMAND started, one id a line
+
+
+def note_flow_run(flow_run_id: str, env: Mapping[str, str] | None = None) -> None:
+    """Under `hpc-garage run`: say which flow run COMMAND started, so that `run` can set it Crashed if COMMAND
+    is killed before Prefect could (even before any trial finished). Bookkeeping: never fails the flow."""
+    run_dir = (os.environ if env is None else env).get(RUN_DIR_ENV)
+    if not run_dir:
+        return
+    with contextlib.suppress(OSError):
+        fd = os.open(Path(run_dir) / FLOW_RUNS_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        with os.fdopen(fd, "a") as out:
+            out.write(f"{flow_run_id}\n")
+
+
+def noted_flow_runs(run_dir: Path) -> list[str]:
+    try:
+        return list(dict.fromkeys(line.strip() for line in (run_dir / FLOW_RUNS_FILE).read_text().splitlines()
+                                  if line.strip()))
+    except OSError:
+        return []
 
 
 @dataclass(frozen=True)

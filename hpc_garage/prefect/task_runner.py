@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import dask
-from prefect.context import TagsContext
+from prefect.context import FlowRunContext, TagsContext
 from prefect_dask import DaskTaskRunner
 from prefect_dask.task_runners import PrefectDaskFuture
 
@@ -42,7 +42,7 @@ from hpc_garage.compat import dask_futures, runner_has_cluster, runner_started
 from hpc_garage.prefect import fast as prefect_fast
 from hpc_garage.prefect import outage
 from hpc_garage.core.errors import UserError
-from hpc_garage.cluster.handoff import handoff_from_env
+from hpc_garage.cluster.handoff import handoff_from_env, note_flow_run
 from hpc_garage.prefect.sweep_cache import SweepTasks
 from hpc_garage.prefect.tags import resources_from_tags
 
@@ -138,6 +138,7 @@ class HpcTaskRunner(DaskTaskRunner):
         self._submitter: Any = None  # prefect_fast.Submitter, or False once the plain path was chosen
         self._finished: list[Any] = []  # ids of task runs whose dask future is done
         self._sweep_tasks = SweepTasks()  # under `hpc-garage run`: trials cached across the sweep's jobs
+        self._flow_run_noted = False
 
     def __enter__(self) -> HpcTaskRunner:
         if not (self.address or runner_has_cluster(self)):
@@ -163,6 +164,10 @@ class HpcTaskRunner(DaskTaskRunner):
 
     def submit(self, task: Any, parameters: dict[str, Any], wait_for: Any = None,
                dependencies: Any = None) -> Any:  # map() submits through here too
+        if not self._flow_run_noted:  # the flow run exists by its first submission (not yet at __enter__)
+            self._flow_run_noted = True
+            if (context := FlowRunContext.get()) is not None and context.flow_run is not None:
+                note_flow_run(str(context.flow_run.id))
         task = self._sweep_tasks(task)
         resources = self._resources(task)
         with dask.annotate(resources=resources) if resources else contextlib.nullcontext():
