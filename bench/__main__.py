@@ -4,9 +4,10 @@
     python -m bench --quick         CI: tiny sizes, one run, into a temporary directory; asserts no timings
     python -m bench --only overhead,cli --runs 7 --out DIR
     python -m bench --only scaling  registration at 2-16 fake nodes on a second local SLURM (not in --quick)
+    python -m bench --only faults   what issue 11's API-outage hooks cost per tagged task (on vs bypassed)
 
-Each benchmark runs in its own Python process (bench.startup, bench.overhead, bench.packing, bench.cli_speed),
-so one's imports, Prefect settings and clusters cannot colour another's figures. Needs the local SLURM up
+Each benchmark runs in its own Python process (bench.startup, bench.overhead, bench.fault_cost, bench.packing,
+bench.cli_speed), so one's imports, Prefect settings and clusters cannot colour another's figures. Needs the local SLURM up
 (scripts/local-slurm up) for start-up and packing; they are reported as skipped without it.
 """
 
@@ -25,7 +26,7 @@ from bench.common import PYTHON, ROOT, machine, say, slurm_problem
 from bench.report import write_reports
 
 RESULTS = Path(__file__).resolve().parent / "results"
-ORDER = ("cli", "overhead", "packing", "startup", "scaling")
+ORDER = ("cli", "overhead", "faults", "packing", "startup", "scaling")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,13 +86,15 @@ def _run(argv: list[str], log: Path) -> int:
 
 
 def _module(name: str) -> str:
-    return {"cli": "cli_speed"}.get(name, name)
+    return {"cli": "cli_speed", "faults": "fault_cost"}.get(name, name)
 
 
 def _arguments(name: str, quick: bool, runs: int, out: Path) -> list[str]:
     base = ["--runs", str(runs)]
     if name == "overhead":
         return base + ["--tasks", "10" if quick else "100"]
+    if name == "faults":
+        return base + ["--tasks", "10" if quick else "200"]
     if name == "cli":
         return base + (["--nodes", "64"] if quick else [])
     if name == "packing":

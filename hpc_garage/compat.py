@@ -391,21 +391,23 @@ def unconfirmed_events(service: type) -> list[Any]:
 
 
 @uses("prefect", "prefect.concurrency.services.ConcurrencySlotAcquisitionWithLeaseService.acquire / "
-                 "_create_empty_limits_response / _should_use_cache")
+                 "_create_empty_limits_response / _should_use_cache / _no_limits_cache / _cache_lock")
 def tag_limits_survive_outages(is_outage: Callable[[BaseException], bool], answers: Callable[[], bool],
-                               warn: Callable[[str], None]) -> bool:
+                               warn: Callable[[str], None], bypassed: Callable[[], bool] = lambda: False) -> bool:
     """Before every tagged task Prefect asks the API for the tags' concurrency slots; an unreachable or
     overloaded API then fails the trial before its function runs (seen: a 503 left a trial Pending and
     failed the flow). Where this process already saw those tags limit-free, the last answer stands while the
     API does not answer (a limit created meanwhile cannot be known anyway); otherwise Prefect's error stands.
-    Fallback where the names are gone: False, Prefect's own behaviour."""
+    Fallback where the names are gone: False, Prefect's own behaviour. `bypassed()` true (the bench's switch):
+    Prefect's own acquire, straight through."""
     from prefect.concurrency import services
 
     cls = getattr(services, "ConcurrencySlotAcquisitionWithLeaseService", None)
     if cls is None or getattr(cls, "_hpc_garage_survives", False):
         return cls is not None
     if not in_range("prefect") or not callable(getattr(services, "_create_empty_limits_response", None)) \
-            or not callable(getattr(services, "_should_use_cache", None)):
+            or not callable(getattr(services, "_should_use_cache", None)) \
+            or not hasattr(getattr(services, "_no_limits_cache", None), "get") or not hasattr(services, "_cache_lock"):
         return False
     own = cls.acquire
     limit_free: set[frozenset[str]] = set()
@@ -413,8 +415,16 @@ def tag_limits_survive_outages(is_outage: Callable[[BaseException], bool], answe
 
     async def acquire(self: Any, slots: int, mode: Any, timeout_seconds: Any = None, max_retries: Any = None,
                       lease_duration: float = 300, strict: bool = False, holder: Any = None) -> Any:
+        if bypassed():
+            return await own(self, slots, mode, timeout_seconds, max_retries, lease_duration, strict, holder)
         names = frozenset(self.concurrency_limit_names)
         known_free = names in limit_free and services._should_use_cache(self.concurrency_limit_names, holder)
+        if known_free:
+            with services._cache_lock:
+                cached = services._no_limits_cache.get(names, False)
+            if cached:  # Prefect answers from its own cache, asking the API nothing: no probe (one per
+                # tagged task cost 70% of tasks/s, bench/fault_cost.py)
+                return await own(self, slots, mode, timeout_seconds, max_retries, lease_duration, strict, holder)
         if known_free and not await asyncio.to_thread(answers):  # Prefect's own cache missed: one short
             # probe first, or a dead API holds the trial (and its GPU) for the client's retries (measured: 76 s)
             if not down[0]:

@@ -88,7 +88,7 @@ def test_quick_bench_runs_every_benchmark(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "latest.json").read_text())
-    assert set(report["benchmarks"]) == {"cli", "overhead", "packing", "startup"}
+    assert set(report["benchmarks"]) == {"cli", "overhead", "faults", "packing", "startup"}
     for name, section in report["benchmarks"].items():
         assert section.get("figures"), (name, section)
         ours = [f for f in section["figures"] if f["ours"]]

@@ -34,3 +34,33 @@ def test_a_longer_cache_of_prefects_own_is_left_alone(monkeypatch) -> None:  # n
     monkeypatch.setattr(services, "_no_limits_cache", longer)
     prefect_fast.trust_no_tag_limits_longer()
     assert services._no_limits_cache is longer
+
+
+def test_a_tagged_task_asks_nothing_while_prefect_has_its_tags_cached(api: dict[str, str], monkeypatch) -> None:  # noqa: ANN001
+    """compat.tag_limits_survive_outages probes the API (/health) only where Prefect's own "no limits for these
+    tags" cache missed: a probe per tagged task cost 70% of tasks/s (bench/fault_cost.py). Against the real
+    server, through Prefect's own acquisition."""
+    import anyio
+    import uuid
+
+    from prefect.client.schemas.objects import ConcurrencyLeaseHolder
+    from prefect.concurrency._asyncio import aacquire_concurrency_slots_with_lease
+
+    from hpc_garage import compat
+    from hpc_garage.prefect.outage import api_answers, is_outage_error
+
+    cls = services.ConcurrencySlotAcquisitionWithLeaseService
+    monkeypatch.setattr(cls, "acquire", inspect.unwrap(cls.acquire))  # a fresh wrapper, restored after
+    monkeypatch.setattr(cls, "_hpc_garage_survives", False)
+    probes: list[bool] = []
+    assert compat.tag_limits_survive_outages(is_outage_error, lambda: probes.append(api_answers()) or probes[-1],
+                                             lambda message: None) is True
+
+    def acquire() -> list:
+        holder = ConcurrencyLeaseHolder(type="task_run", id=uuid.uuid4())
+        return anyio.run(lambda: aacquire_concurrency_slots_with_lease(["tag:fast-test"], 1, holder=holder)).limits
+
+    assert acquire() == [] and probes == []  # asked the API: no limits; the wrapper and Prefect's cache keep it
+    assert [acquire() for _ in range(5)] == [[]] * 5 and probes == []  # from Prefect's cache: nothing asked
+    services._no_limits_cache.clear()  # Prefect's cache missed: one probe first, then the API as before
+    assert acquire() == [] and probes == [True]

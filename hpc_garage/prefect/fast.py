@@ -303,10 +303,10 @@ def trust_no_tag_limits_longer(ttl: float = TAG_LIMITS_TTL) -> bool:
     """Stretch Prefect's per-process "no tag concurrency limits" cache (see the module docstring), and keep
     its last answer while the API does not answer (prefect/outage.py); False where this Prefect has no such
     cache, which leaves its behaviour as it is."""
-    from hpc_garage.prefect.outage import api_answers, is_outage_error, say
+    from hpc_garage.prefect.outage import api_answers, bypassed, is_outage_error, say
 
     _tuned.append(True)
-    tag_limits_survive_outages(is_outage_error, api_answers, say)
+    tag_limits_survive_outages(is_outage_error, api_answers, say, bypassed)
     return stretch_no_tag_limits_cache(ttl)
 
 
