@@ -119,6 +119,39 @@ def test_an_idle_server_leaves_and_the_next_run_starts_a_fresh_one(home: Path) -
 
 
 @pytest.mark.slow
+def test_a_process_that_moves_to_another_api_records_its_task_runs_there(home: Path) -> None:
+    """One process, two APIs in turn (use_api: the test suite's per-module servers, a notebook pointed at a
+    new server): Prefect's events worker stayed bound to the first, so the second never heard of the task
+    runs (and each flow of hpc-garage's runner waited 2 minutes for them); use_api now restarts it there."""
+    script = ("import os\nfrom prefect import flow, task\n"
+              "from hpc_garage.prefect.server import ensure_api, stop_server\n"
+              "from hpc_garage.prefect.task_runner import use_api\n"
+              "@task\ndef one(i):\n    return i\n"
+              "@flow\ndef sweep():\n    return sum(one(i) for i in range(3))\n"
+              f"use_api(ensure_api(timeout={START}))\n"
+              "assert sweep() == 3\n"
+              "stop_server()\n"
+              "for name in ('PREFECT_API_URL', 'PREFECT_API_AUTH_STRING'):\n    os.environ.pop(name)\n"
+              f"use_api(ensure_api(timeout={START}))  # another server: a new port and auth string\n"
+              "assert sweep() == 3\n"
+              "print('done', flush=True)\n")
+    done = in_child(script)
+    assert "done" in done.stdout, done.stderr[-3000:]
+    state = json.loads((state_dir() / "server.json").read_text())  # the second server: it is still up
+    token = base64.b64encode(state["auth"].encode()).decode()
+
+    def completed_task_runs() -> int:
+        body = json.dumps({"task_runs": {"state": {"type": {"any_": ["COMPLETED"]}}}}).encode()
+        request = urllib.request.Request(f"{state['url']}/task_runs/count", data=body, method="POST", headers={
+            "Authorization": f"Basic {token}", "Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return int(json.loads(response.read()))
+
+    # the same database: the first flow's 3 (recorded by the first server) and the second flow's 3
+    assert wait_until(lambda: completed_task_runs() == 6, 60), completed_task_runs()
+
+
+@pytest.mark.slow
 def test_a_server_in_use_stays(home: Path) -> None:
     """A process it was handed to keeps it while it runs, however long it is quiet; then it leaves."""
     holder = subprocess.Popen([sys.executable, "-c", HAND_OUT + "; import sys; sys.stdout.flush(); "

@@ -284,14 +284,30 @@ def _running_worker_security() -> Any:
         return None
 
 
+_api_in_use: list[str] = []  # the API URL use_api last exported here
+
+
 def use_api(env: dict[str, str]) -> None:
-    """Export the API to this process and its future children; Prefect read its settings at import."""
-    if all(os.environ.get(k) == v for k, v in env.items()):
+    """Export the API to this process and its future children; Prefect read its settings at import.
+
+    A process that already sent Prefect events and logs to another API (hpc-garage's own server, idled out
+    and started again on another port; a notebook that runs flows for hours) keeps Prefect's events and log
+    workers bound to the old one: the new API would never hear of the task runs, and every flow would wait
+    for them. Those workers are stopped, so that Prefect starts them again on the new API."""
+    url = env.get("PREFECT_API_URL", "")
+    if all(os.environ.get(k) == v for k, v in env.items()) and _api_in_use[-1:] in ([], [url]):
         return
     import prefect.context
 
     os.environ.update(env)
     prefect.context.refresh_global_settings_context()
+    if _api_in_use and _api_in_use[-1] != url:
+        from prefect.events.worker import EventsWorker
+        from prefect.logging.handlers import APILogWorker
+
+        for service in (EventsWorker, APILogWorker):  # what they still queue was for the old API
+            service.drain_all(timeout=2, at_exit=False)
+    _api_in_use[:] = [url]
 
 
 def _local_address_towards(address: str) -> str:
