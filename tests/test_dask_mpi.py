@@ -337,7 +337,10 @@ def test_the_cluster_has_each_workers_resources_pinning_tls_and_preload(tmp_path
         assert w["resources"]["GPU"] == 1 and w["resources"]["CPU"] == 2 and w["nthreads"] == 2
         assert w["env"]["OMP_NUM_THREADS"] == "2" and w["env"]["PREFECT_API_URL"]
         by_node[w["env"]["SLURMD_NODENAME"]].append(w["env"]["CUDA_VISIBLE_DEVICES"])
-    assert {k: sorted(v) for k, v in by_node.items()} == {"node1": ["0", "1"], "node2": ["0", "1"]}
+    # each worker its own one of the 2 GPUs SLURM gave the job on its node (which 2 of the node's 4 depends on
+    # what else runs there)
+    assert sorted(by_node) == ["node1", "node2"], by_node
+    assert all(len(set(v)) == 2 and set(v) <= {"0", "1", "2", "3"} for v in by_node.values()), by_node
     assert r["address"].startswith("tls://") and r["plain_client_refused"] is True
     assert r["worker_preloaded"] == [[True, True]] and len(r["string_hashes"]) == 1
     assert r["scheduler_file_mode"] == 0o600 and not Path(r["scheduler_file"]).exists()

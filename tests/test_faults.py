@@ -110,7 +110,11 @@ def test_a_killed_node_process_takes_only_its_own_workers_and_is_started_again(t
     print(f"finished trials that ran again: {sum(n - 1 for n in done.values())}; trials started again: "
           f"{sum(runs(marks, 'start').values()) - TRIALS}; {elapsed:.0f} s submit to end (walltime 600 s)")
     assert "node 1 (node2) lost at" in log and "started again (1 of 1 restarts)" in log, log[-4000:]
-    assert all(r["gpu"] in ("0", "1") for r in summary["records"])  # one GPU each, restarted workers too
+    # one GPU each, and a restarted worker keeps its pin (which of the node's 4 GPUs depends on what else runs)
+    pins: dict[str, set[str]] = {}
+    for r in summary["records"]:
+        pins.setdefault(r["worker"], set()).add(r["gpu"])
+    assert all(len(p) == 1 and next(iter(p)) in ("0", "1", "2", "3") for p in pins.values()), pins
     status = hpcg(["status", job], tmp_path).stdout
     assert re.search(r"lost nodes:\s+node2 at \d\d:\d\d:\d\d \(.*signal 9.*restarted\)", status), status
     assert elapsed < 300, elapsed  # walltime is 600 s; on this 2-core machine start-up alone takes 10-30 s
