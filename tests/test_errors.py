@@ -207,7 +207,7 @@ def test_bad_scheduler_files_are_one_line(case: str, tmp_path: Path) -> None:
     elif case == "credentials gone":
         _scheduler_file(path, tls={"tls_ca_file": str(tmp_path / "tls" / "cert.pem")})
     elif case == "corrupt":
-        path.write_text('{"address": ')
+        path.write_text('{"address": ')  # refused after handoff.HALF_WRITTEN_SECONDS, not the start timeout
     elif case == "not an object":
         path.write_text("[1, 2]")
     elif case == "a directory":

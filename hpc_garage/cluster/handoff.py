@@ -34,6 +34,7 @@ JOB_ID_ENV = "HPC_GARAGE_JOB_ID"
 RUN_DIR_ENV = "HPC_GARAGE_RUN_DIR"
 START_TIMEOUT_ENV = "HPC_GARAGE_START_TIMEOUT"  # how long `run` gives its workers; COMMAND waits as long
 HANDOFF_FILES = ("scheduler.json", "dask-scheduler.json", "tls", "workers")
+HALF_WRITTEN_SECONDS = 3.0  # how long a scheduler file that is not valid JSON may still be being written
 FLOW_RUNS_FILE = "flow-runs"  # in the run directory: the flow runs COMMAND started, one id a line
 
 
@@ -162,7 +163,7 @@ class Handoff:
         """Read a scheduler file, waiting up to `timeout` s for it (less if `given_up()`: its writer stopped);
         refuse one from another job."""
         path = Path(path).expanduser()
-        deadline = time.monotonic() + timeout
+        deadline, broken_since = time.monotonic() + timeout, 0.0
         while True:
             try:
                 data = json.loads(path.read_text())
@@ -187,7 +188,9 @@ class Handoff:
                         f"(unset {SCHEDULER_FILE_ENV} to use a local cluster)"
                     ) from None
             except json.JSONDecodeError:
-                if time.monotonic() >= deadline:
+                # a file being written is whole within milliseconds: one still broken after that was left broken
+                broken_since = broken_since or time.monotonic()
+                if time.monotonic() >= min(deadline, broken_since + HALF_WRITTEN_SECONDS):
                     raise UserError(f"scheduler file {path} is not valid JSON; delete it and rerun the job") from None
             time.sleep(0.05)
         ours = data.get("hpc_garage") if isinstance(data, dict) else None
