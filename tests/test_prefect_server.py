@@ -129,9 +129,10 @@ def test_a_server_that_exits_is_reported_with_its_log(fake_python) -> None:  # n
 
 def test_a_server_that_never_answers_is_stopped(fake_python) -> None:  # noqa: ANN001
     fake_python('echo "hanging"; sleep 600')
+    before = set(prefect_server._children)  # another module's server, stopped by `server stop`, may be listed
     with pytest.raises(UserError, match="did not answer within 1 s.*hanging"):
         ensure_api(timeout=1)
-    assert not prefect_server._children  # killed and reaped, not left behind
+    assert set(prefect_server._children) <= before  # killed and reaped, not left behind
 
 
 def test_the_server_batches_its_records_and_the_users_settings_win(fake_python, monkeypatch) -> None:  # noqa: ANN001

@@ -130,6 +130,9 @@ def ensure_server(host: str = LOOPBACK, *, timeout: float = START_TIMEOUT) -> Se
     if database.kind == "postgresql":
         postgres_bin()
     directory = state_dir(host)
+    for pid, child in list(_children.items()):  # servers of ours stopped by someone else (`server stop`, idle)
+        if child.poll() is not None:
+            _children.pop(pid, None)
     with locked(directory / "lock"):
         state = _read_state(directory)
         if state is not None and _pid_alive(state.pid) and _answers(state, patience=REUSE_PATIENCE):
