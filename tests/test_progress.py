@@ -307,7 +307,10 @@ def test_gpu_figures_reach_each_trials_prefect_task_run(tmp_path: Path) -> None:
     with urllib.request.urlopen(request, timeout=10) as answer:
         artifacts = json.loads(answer.read())
     assert len(artifacts) == len(trials), artifacts
+    # the flow run the task runner noted at its first submission: progress names it from then on (it used to
+    # learn it only from a finished trial's task run, which a short sweep could end before)
     flow_runs = {run["id"] for run in status["run"]["progress"]["prefect"]["flow_runs"]}
+    assert len(flow_runs) == 1, status["run"]["progress"]["prefect"]
     for trial in trials:
         mine = [a for a in artifacts if a["task_run_id"] == str(uuid.UUID(hex=trial["key"][-32:]))]
         assert len(mine) == 1, (trial["key"], artifacts)

@@ -78,11 +78,12 @@ class TrialRecord:
 
 
 async def install(scheduler: Scheduler, write: Callable[[dict[str, Any]], None], *, vendor: str = "nvidia",
-                  api: Mapping[str, str] | None = None) -> RunProgress:
-    """Progress on this scheduler, and the GPU sampler on every worker that joins it (before they start)."""
+                  api: Mapping[str, str] | None = None, noted: Callable[[], list[str]] | None = None) -> RunProgress:
+    """Progress on this scheduler, and the GPU sampler on every worker that joins it (before they start).
+    `noted`: the flow runs COMMAND's task runners noted (cluster/handoff.py), known before any trial ends."""
     from distributed.protocol.pickle import dumps
 
-    plugin = RunProgress(write, api=api)
+    plugin = RunProgress(write, api=api, noted=noted)
     scheduler.add_plugin(plugin, name=NAME)
     plugin.attach(scheduler)
     await scheduler.register_worker_plugin(None, dumps(TrialSampler(vendor)), name=SAMPLER_NAME, idempotent=True)
@@ -94,9 +95,11 @@ class RunProgress(SchedulerPlugin):
 
     name = NAME
 
-    def __init__(self, write: Callable[[dict[str, Any]], None], *, api: Mapping[str, str] | None = None) -> None:
+    def __init__(self, write: Callable[[dict[str, Any]], None], *, api: Mapping[str, str] | None = None,
+                 noted: Callable[[], list[str]] | None = None) -> None:
         self.write = write
         self.api = dict(api or {})
+        self.noted = noted or list
         self.scheduler: Any = None
         self.started = time.time()
         self.first_task: float | None = None
@@ -172,6 +175,7 @@ class RunProgress(SchedulerPlugin):
         self._read_memory()
         self.ticks += 1
         if self.ticks % round(PROGRESS_SECONDS / TICK_SECONDS) == 0:
+            self._add_noted_flow_runs()
             self._find_flow_run()
             with contextlib.suppress(OSError):
                 self.write(self.figures())
@@ -217,6 +221,11 @@ class RunProgress(SchedulerPlugin):
         return {"host": host, "port": int(server.port),
                 "bokeh": importlib.util.find_spec("bokeh") is not None}
 
+    def _add_noted_flow_runs(self) -> None:
+        for flow_run in self.noted():
+            if flow_run not in self.flow_runs:
+                self.flow_runs.append(flow_run)
+
     def _find_flow_run(self) -> None:
         """Look up the flow run of one finished trial not looked up yet, in a thread, at most once per tick."""
         url = self.api.get("PREFECT_API_URL")
@@ -253,6 +262,7 @@ class RunProgress(SchedulerPlugin):
             tick.stop()
         try:
             self._read_memory()
+            self._add_noted_flow_runs()
             self.write(self.figures())
             report = build(self.record())
             write_private(run_dir / REPORT_FILE, json.dumps(report))

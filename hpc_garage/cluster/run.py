@@ -172,7 +172,8 @@ async def _serve(site: Site, layout_: Layout, launcher: Launcher, rundir: RunDir
         install(scheduler)  # resource tasks go only to workers with them free (placement.py); every launcher
         await scheduler
         progress = await install_progress(scheduler, lambda figures: state.note(progress=figures),
-                                          vendor=site.node.gpu_vendor, api=api_env)  # trials, GPUs, links; report
+                                          vendor=site.node.gpu_vendor, api=api_env,  # trials, GPUs, links; report
+                                          noted=lambda: noted_flow_runs(rundir.path))
         os.chmod(rundir.dask_scheduler_file, 0o600)  # Dask writes it 0644; it names the cluster's address
         preload = _import_in_background(scheduler_preload(env))
         await launcher.start(scheduler.address, tls, worker_env, rundir)
