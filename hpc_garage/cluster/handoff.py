@@ -36,6 +36,9 @@ START_TIMEOUT_ENV = "HPC_GARAGE_START_TIMEOUT"  # how long `run` gives its worke
 HANDOFF_FILES = ("scheduler.json", "dask-scheduler.json", "tls", "workers")
 HALF_WRITTEN_SECONDS = 3.0  # how long a scheduler file that is not valid JSON may still be being written
 FLOW_RUNS_FILE = "flow-runs"  # in the run directory: the flow runs COMMAND started, one id a line
+UNRECORDED_FILE = "unrecorded.json"  # what Prefect's API did not get, summed up (prefect/outage.py)
+UNRECORDED_DIR = "unrecorded"  # and kept for `hpc-garage replay`
+EARLIER_RUN_FILES = (FLOW_RUNS_FILE, UNRECORDED_FILE, UNRECORDED_DIR)  # a run's own, not its job id's
 
 
 def note_flow_run(flow_run_id: str, env: Mapping[str, str] | None = None) -> None:
@@ -66,14 +69,21 @@ class RunDir:
     def for_job(cls, root: str | Path, job_id: str) -> RunDir:
         return cls(run_dir(root, job_id))
 
-    def create(self) -> RunDir:
-        """Make the directory private, and clear what an earlier job with the same id left behind."""
+    def create(self, submitted: float | None = None) -> RunDir:
+        """Make the directory private, and clear what an earlier job with the same id left behind: the
+        handoff always; its flow runs and unreplayed records where they predate this job's submission
+        (`submitted`: a requeued job keeps what its first start left for replay)."""
         import shutil
 
         self.path.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(self.path, 0o700)
-        for name in HANDOFF_FILES:
+        for name in HANDOFF_FILES + EARLIER_RUN_FILES:
             stale = self.path / name
+            try:
+                if name in EARLIER_RUN_FILES and (submitted is None or stale.stat().st_mtime >= submitted):
+                    continue
+            except FileNotFoundError:
+                continue
             if stale.is_dir():
                 shutil.rmtree(stale)
             elif stale.exists():

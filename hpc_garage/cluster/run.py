@@ -118,7 +118,10 @@ def run(site: Site, command: list[str], *, insecure: bool = False, timeout: floa
     if insecure:
         say("--insecure: the cluster speaks plain tcp; anyone who can reach its ports can run code in it")
     say(f"sweep {swept.key} (results in {swept.results})")
-    rundir = RunDir.for_job(site.run_directory, job_id).create()
+    from hpc_garage.schedulers.submission import submitted_at
+
+    rundir = RunDir.for_job(site.run_directory, job_id)
+    rundir.create(submitted_at(rundir.path))  # a recycled job id: what the earlier job left is cleared
     ending = (_wind_down(site, env, job_id, rundir) if in_job
               else _run_deadline(site, job_id, walltime) if walltime is not None else None)
     try:

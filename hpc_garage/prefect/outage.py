@@ -42,14 +42,14 @@ from typing import Any
 
 import httpx
 
-from hpc_garage.cluster.handoff import JOB_ID_ENV, RUN_DIR_ENV
+from hpc_garage.cluster.handoff import JOB_ID_ENV, RUN_DIR_ENV, UNRECORDED_DIR, UNRECORDED_FILE
 from hpc_garage.variables import PREFECT_SERVER_ENV
 
 __all__ = ["ApiOutage", "KEPT_DIR", "SUMMARY_FILE", "api_answers", "api_down", "install", "is_outage_error",
            "outage"]
 
-KEPT_DIR = "unrecorded"  # in the run directory: what the API did not get, one file per process and kind
-SUMMARY_FILE = "unrecorded.json"  # in the run directory: the counts, the ids, the API it was meant for (and
+KEPT_DIR = UNRECORDED_DIR  # in the run directory: what the API did not get, one file per process and kind
+SUMMARY_FILE = UNRECORDED_FILE  # in the run directory: the counts, the ids, the API it was meant for (and
 # prefect_server: which hpc-garage-managed server that API was, where it was one)
 FLOW_STATES_FILE = "flow-runs.json"  # in KEPT_DIR: each flow run's last state kept here, not recorded there
 
@@ -357,7 +357,7 @@ def _note_unrecorded(entry: dict[str, Any]) -> Path | None:
         return None
     from hpc_garage.files import write_private
 
-    path = Path(run_dir) / "unrecorded.json"
+    path = Path(run_dir) / SUMMARY_FILE
     try:
         data = json.loads(path.read_text()) if path.is_file() else {}
     except (OSError, ValueError):

@@ -519,6 +519,13 @@ def status_all(roots: Sequence[Path] | None = None) -> list[JobView]:
     return sorted(views, key=lambda v: (v.record or {}).get("submitted") or 0, reverse=True)
 
 
+def submitted_at(run_dir: Path) -> float | None:
+    """When the job whose run directory this is was submitted (less CLOCK_SLACK), from its submit.json; None
+    for a run hpc-garage did not submit. Files in it older than that are an earlier job's (a recycled id)."""
+    submitted = (_read_json(run_dir / SUBMIT_FILE) or {}).get("submitted")
+    return float(submitted) - CLOCK_SLACK if isinstance(submitted, (int, float)) else None
+
+
 def _read_json(path: Path) -> dict[str, Any] | None:
     try:
         data = json.loads(path.read_text())
