@@ -266,3 +266,37 @@ def wait_for_free_nodes(timeout: float = 120) -> None:
             return
         time.sleep(0.2)
     say("warning: other jobs still hold the local SLURM; start-up figures include their contention")
+
+
+@contextmanager
+def prefect_and_cluster(workers: int = 2, threads: int = 1,
+                        phase: Callable[[], Any] | None = None) -> Iterator[tuple[dict[str, Any], int]]:
+    """hpc-garage's Prefect server, exported to this process, and a Dask cluster in a process of its own
+    (scripts/cluster.py, stopped after): the cluster's info (its "address") and the server's pid, the server
+    itself, not its keeper (for `wait_idle`). `phase()`: a context that times the bring-up (Phases)."""
+    import contextlib
+
+    from hpc_garage.prefect.server import ensure_api, server_status
+    from hpc_garage.prefect.task_runner import use_api
+
+    timed = phase or contextlib.nullcontext
+    with timed():
+        api = ensure_api()
+    use_api(api)
+    status = server_status()
+    server_pid = int(status.get("server_pid") or status.get("pid") or 0)
+    info_file = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-cluster-{os.getpid()}.json"
+    cluster = subprocess.Popen([PYTHON, str(SCRIPTS / "cluster.py"), "--workers", str(workers), "--threads",
+                                str(threads), "--out", str(info_file)], stdin=subprocess.PIPE, env={**os.environ, **api})
+    try:
+        with timed():
+            info = read_json_when_ready(info_file, 120, alive=lambda: cluster.poll() is None)
+        yield info, server_pid
+    finally:
+        assert cluster.stdin is not None
+        cluster.stdin.close()
+        try:
+            cluster.wait(30)
+        except subprocess.TimeoutExpired:
+            cluster.kill()
+        info_file.unlink(missing_ok=True)

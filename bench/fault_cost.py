@@ -18,12 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import PYTHON, SCRIPTS, Figure, compare, read_json_when_ready, say, wait_idle
+from bench.common import Figure, compare, prefect_and_cluster, say, wait_idle
 
 GROUP = "issue 11 fault handling, per task: {n} trivial tagged tasks, 2 workers x 1 thread"
 ON = "hpc-garage task_runner(), outage hooks on (default)"
@@ -41,27 +40,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def measure(n: int, runs: int) -> dict[str, Any]:
-    from hpc_garage.prefect.server import ensure_api, server_status
-    from hpc_garage.prefect.task_runner import use_api
-
-    api = ensure_api()
-    use_api(api)
-    status = server_status()
-    server_pid = int(status.get("server_pid") or status.get("pid") or 0)
-    info_file = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-fault-cluster-{os.getpid()}.json"
-    cluster = subprocess.Popen([PYTHON, str(SCRIPTS / "cluster.py"), "--workers", "2", "--threads", "1",
-                                "--out", str(info_file)], stdin=subprocess.PIPE, env={**os.environ, **api})
-    try:
-        info = read_json_when_ready(info_file, 120, alive=lambda: cluster.poll() is None)
+    with prefect_and_cluster() as (info, server_pid):
         return _measure(info["address"], n, runs, server_pid)
-    finally:
-        assert cluster.stdin is not None
-        cluster.stdin.close()
-        try:
-            cluster.wait(30)
-        except subprocess.TimeoutExpired:
-            cluster.kill()
-        info_file.unlink(missing_ok=True)
 
 
 def _measure(address: str, n: int, runs: int, server_pid: int) -> dict[str, Any]:

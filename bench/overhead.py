@@ -18,12 +18,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import PYTHON, SCRIPTS, Figure, Phases, compare, cpu_seconds, read_json_when_ready, say, wait_idle
+from bench.common import Figure, Phases, compare, cpu_seconds, prefect_and_cluster, say, wait_idle
 
 GROUP = "per-task overhead: {n} trivial tasks, 2 workers x 1 thread"
 OURS = "hpc-garage task_runner()"
@@ -45,29 +44,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def measure(n: int, runs: int) -> dict[str, Any]:
-    from hpc_garage.prefect.task_runner import use_api
-    from hpc_garage.prefect.server import ensure_api, server_status
-
-    with PHASES("Prefect server and cluster up"):
-        api = ensure_api()
-    use_api(api)
-    status = server_status()
-    server_pid = int(status.get("server_pid") or status.get("pid") or 0)  # the server itself, not its keeper
-    info_file = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-cluster-{os.getpid()}.json"
-    cluster = subprocess.Popen([PYTHON, str(SCRIPTS / "cluster.py"), "--workers", "2", "--threads", "1",
-                                "--out", str(info_file)], stdin=subprocess.PIPE, env={**os.environ, **api})
-    try:
-        with PHASES("Prefect server and cluster up"):
-            info = read_json_when_ready(info_file, 120, alive=lambda: cluster.poll() is None)
+    with prefect_and_cluster(phase=lambda: PHASES("Prefect server and cluster up")) as (info, server_pid):
         return _measure(info, n, runs, server_pid) | {"phases": PHASES.to_dict()}
-    finally:
-        assert cluster.stdin is not None
-        cluster.stdin.close()
-        try:
-            cluster.wait(30)
-        except subprocess.TimeoutExpired:
-            cluster.kill()
-        info_file.unlink(missing_ok=True)
 
 
 def _measure(info: dict[str, Any], n: int, runs: int, server_pid: int) -> dict[str, Any]:

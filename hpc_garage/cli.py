@@ -541,10 +541,7 @@ def replay(job_id: str, site_name: str | None) -> None:
     from hpc_garage.prefect.replay import replay as replay_kept
     from hpc_garage.schedulers import submission
 
-    view = submission.find(job_id, site_name)
-    run_dir = view.run_dir or next((root / job_id for root in submission.run_roots() if (root / job_id).is_dir()),
-                                   None)  # a `run` hpc-garage did not submit keeps its run directory there too
-    for line in replay_kept(job_id, run_dir):
+    for line in replay_kept(job_id, submission.run_dir_of(submission.find(job_id, site_name))):
         click.echo(line)
 
 

@@ -338,6 +338,14 @@ def before_exit_drains(callback: Callable[[], None]) -> bool:
     return True
 
 
+def _running_instances(service: type) -> list[Any]:
+    """The running instances of a Prefect queue service in this process ([] where the names are gone)."""
+    if not in_range("prefect") or not hasattr(service, "_instances"):
+        return []
+    with service._instance_lock:
+        return [i for i in service._instances.values() if isinstance(i, service)]  # one dict for all kinds
+
+
 @uses("prefect", "QueueService._instances / _instance_lock / _queue; EventsWorker._context_cache")
 def take_queued(service: type) -> list[tuple[Any, Any]]:
     """Take the items out of the queues of every running instance of a Prefect queue service (EventsWorker,
@@ -346,12 +354,8 @@ def take_queued(service: type) -> list[tuple[Any, Any]]:
     the caller keeps them for replay. Fallback where the names are gone: [], nothing taken."""
     import queue
 
-    if not in_range("prefect") or not hasattr(service, "_instances"):
-        return []
-    with service._instance_lock:
-        instances = [i for i in service._instances.values() if isinstance(i, service)]  # one dict for all kinds
     taken: list[tuple[Any, Any]] = []
-    for instance in instances:
+    for instance in _running_instances(service):
         items = getattr(instance, "_queue", None)
         if not isinstance(items, queue.Queue):
             continue
@@ -378,12 +382,8 @@ def unconfirmed_events(service: type) -> list[Any]:
     """The events each running EventsWorker's client sent, or failed to send, without the server confirming
     them yet (the client resends them only when it reconnects): a server killed meanwhile may have lost
     them. Fallback where the names are gone: []."""
-    if not in_range("prefect") or not hasattr(service, "_instances"):
-        return []
-    with service._instance_lock:
-        instances = [i for i in service._instances.values() if isinstance(i, service)]
     events: list[Any] = []
-    for instance in instances:
+    for instance in _running_instances(service):
         unconfirmed = getattr(getattr(instance, "_client", None), "_unconfirmed_events", None)
         if isinstance(unconfirmed, list):
             events += list(unconfirmed)

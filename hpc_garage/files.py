@@ -1,7 +1,8 @@
 """Private files, run directories, and their writers' pids: the I/O every layer above the core shares.
 
 A file that holds an address, a key or a token is written readable by its owner only, and atomically, so
-no reader ever sees half of it. A file that several processes change is changed under `locked`. A job's run directory is `<run root>/<job id>/`.
+no reader ever sees half of it. A file that several processes change is changed under `locked` (or appended
+to whole lines at a time). A job's run directory is `<run root>/<job id>/`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,16 @@ def write_private(path: Path, text: str) -> None:
     with os.fdopen(fd, "w") as f:
         f.write(text)
     os.replace(tmp, path)
+
+
+def append_private(path: Path, lines: list[str]) -> None:
+    """Append whole lines to a file readable by its owner only (created so); one write, so lines that several
+    processes append do not interleave."""
+    if not lines:
+        return
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    with os.fdopen(fd, "a") as f:
+        f.write("".join(line + "\n" for line in lines))
 
 
 def run_root(run_directory: str | Path) -> Path:

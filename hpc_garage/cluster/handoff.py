@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpc_garage.core.errors import UserError
-from hpc_garage.files import pid_alive, run_dir, write_private
+from hpc_garage.files import append_private, pid_alive, run_dir, write_private
 from hpc_garage.variables import seconds
 
 if TYPE_CHECKING:
@@ -48,9 +48,7 @@ def note_flow_run(flow_run_id: str, env: Mapping[str, str] | None = None) -> Non
     if not run_dir:
         return
     with contextlib.suppress(OSError):
-        fd = os.open(Path(run_dir) / FLOW_RUNS_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        with os.fdopen(fd, "a") as out:
-            out.write(f"{flow_run_id}\n")
+        append_private(Path(run_dir) / FLOW_RUNS_FILE, [flow_run_id])
 
 
 def noted_flow_runs(run_dir: Path) -> list[str]:

@@ -175,7 +175,7 @@ class RunProgress(SchedulerPlugin):
         self._read_memory()
         self.ticks += 1
         if self.ticks % round(PROGRESS_SECONDS / TICK_SECONDS) == 0:
-            self._add_noted_flow_runs()
+            self.known_flow_runs()
             self._find_flow_run()
             with contextlib.suppress(OSError):
                 self.write(self.figures())
@@ -221,10 +221,12 @@ class RunProgress(SchedulerPlugin):
         return {"host": host, "port": int(server.port),
                 "bokeh": importlib.util.find_spec("bokeh") is not None}
 
-    def _add_noted_flow_runs(self) -> None:
+    def known_flow_runs(self) -> list[str]:
+        """COMMAND's flow runs: those its task runners noted, and those its finished trials named."""
         for flow_run in self.noted():
             if flow_run not in self.flow_runs:
                 self.flow_runs.append(flow_run)
+        return list(self.flow_runs)
 
     def _find_flow_run(self) -> None:
         """Look up the flow run of one finished trial not looked up yet, in a thread, at most once per tick."""
@@ -262,7 +264,7 @@ class RunProgress(SchedulerPlugin):
             tick.stop()
         try:
             self._read_memory()
-            self._add_noted_flow_runs()
+            self.known_flow_runs()
             self.write(self.figures())
             report = build(self.record())
             write_private(run_dir / REPORT_FILE, json.dumps(report))

@@ -113,12 +113,9 @@ def load(view: Any, job_id: str) -> dict[str, Any]:
     import json
 
     from hpc_garage.core.errors import UserError
+    from hpc_garage.schedulers.submission import run_dir_of
 
-    run_dir = view.run_dir
-    if run_dir is None:  # not submitted by hpc-garage: a `run` on a login node, or inside a hand-written job
-        from hpc_garage.schedulers.submission import run_roots
-
-        run_dir = next((root / job_id for root in run_roots() if (root / job_id / REPORT_FILE).is_file()), None)
+    run_dir = run_dir_of(view, REPORT_FILE)
     if run_dir is None:
         raise UserError(f"job {job_id} has no run directory here, so no report; pass --site if its site keeps "
                         "its runs elsewhere")

@@ -201,8 +201,7 @@ async def _serve(site: Site, layout_: Layout, launcher: Launcher, rundir: RunDir
         if code is None and proc is not None:
             await _end_command(proc)
         if progress is not None and code != 0:  # before the batch system's KillWait runs out
-            await asyncio.get_running_loop().run_in_executor(None, _crash_open_flow_runs, progress, code,
-                                                             noted_flow_runs(rundir.path))
+            await asyncio.get_running_loop().run_in_executor(None, _crash_open_flow_runs, progress, code)
         nodes.cancel()
         if ending is not None:
             ending.cancel()
@@ -223,11 +222,11 @@ async def _serve(site: Site, layout_: Layout, launcher: Launcher, rundir: RunDir
     return code if code is not None else 128 + interrupted[0] if interrupted else 1
 
 
-def _crash_open_flow_runs(progress: Any, code: int | None, noted: list[str]) -> None:
+def _crash_open_flow_runs(progress: Any, code: int | None) -> None:
     """COMMAND ended non-zero (cancelled, walltime, killed, its cluster lost): a flow run of it that Prefect
     still shows unfinished (the flow process was killed before it could say so) is set Crashed, so that no
-    run shows Running for ever. The flow runs are those COMMAND's task runners noted (`noted`, at their first
-    submission) and those its finished trials name. Bookkeeping: an API that does not answer is left alone."""
+    run shows Running for ever (progress knows them from their first submission). Bookkeeping: an API that
+    does not answer is left alone."""
     import urllib.request
 
     from hpc_garage.cluster.progress import _auth
@@ -236,7 +235,7 @@ def _crash_open_flow_runs(progress: Any, code: int | None, noted: list[str]) -> 
     if not url:
         return
     how = f"exit code {code}" if code is not None else "interrupted"
-    for flow_run in dict.fromkeys([*noted, *progress.flow_runs]):
+    for flow_run in progress.known_flow_runs():
         base = f"{url.rstrip('/')}/flow_runs/{flow_run}"
         try:
             with urllib.request.urlopen(urllib.request.Request(base, headers=_auth(progress.api)), timeout=3) as r:

@@ -43,6 +43,7 @@ from typing import Any
 import httpx
 
 from hpc_garage.cluster.handoff import JOB_ID_ENV, RUN_DIR_ENV, UNRECORDED_DIR, UNRECORDED_FILE
+from hpc_garage.files import append_private
 from hpc_garage.variables import PREFECT_SERVER_ENV
 
 __all__ = ["ApiOutage", "KEPT_DIR", "SUMMARY_FILE", "api_answers", "api_down", "install", "is_outage_error",
@@ -245,8 +246,8 @@ def _keep_queued() -> tuple[int, int]:
     logs = [{k: v for k, v in item.items() if k != "__payload_size__"} for item, _ in take_queued(APILogWorker)]
     if _kept_in:
         process = f"{socket.gethostname()}-{os.getpid()}"
-        _append_private(_kept_in[0] / f"events-{process}.jsonl", [e.model_dump_json() for e in events])
-        _append_private(_kept_in[0] / f"logs-{process}.jsonl", [json.dumps(line, default=str) for line in logs])
+        append_private(_kept_in[0] / f"events-{process}.jsonl", [e.model_dump_json() for e in events])
+        append_private(_kept_in[0] / f"logs-{process}.jsonl", [json.dumps(line, default=str) for line in logs])
         _kept_event_ids.update(str(e.id) for e in events)
     return len(events), len(logs)
 
@@ -272,15 +273,6 @@ def _with_flow_run(event: Any, context: Any) -> Any:
         labels = {"prefect.resource.id": f"prefect.flow-run.{flow_run_id}", "prefect.resource.role": "flow-run"}
         event.related.append(RelatedResource({**labels, **({"prefect.resource.name": name} if name else {})}))
     return event
-
-
-def _append_private(path: Path, lines: list[str]) -> None:
-    """Append lines to a file only its owner can read (created so: it holds run names, parameters, logs)."""
-    if not lines:
-        return
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    with os.fdopen(fd, "a") as f:
-        f.write("".join(line + "\n" for line in lines))
 
 
 def _keep_flow_state(flow_run_id: str, state: Any) -> None:

@@ -10,7 +10,7 @@ a Dask recomputation after a worker holding its result was lost.
 Honoured as Prefect defines them: `cache_policy=NO_CACHE` or `persist_result=False` (not cached),
 `refresh_cache=True` (run again, result replaced), a task's own `cache_policy`/`cache_key_fn` (kept; its
 result is still stored on the shared results directory unless it names a storage of its own). A task whose
-source changed misses the cache: TASK_SOURCE is part of the key; `SweepScope` notes it (the epoch's
+source changed misses the cache: TASK_SOURCE is part of the key; `SweepPolicy` notes it (the epoch's
 `.sources/` holds the source each task name + inputs last ran with), so `status` can say which trials ran again
 because their source changed.
 """
@@ -25,38 +25,53 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prefect.cache_policies import INPUTS, NO_CACHE, TASK_SOURCE, CachePolicy
+from prefect.cache_policies import (INPUTS, NO_CACHE, TASK_SOURCE, CachePolicy, CompoundCachePolicy, Inputs,
+                                     TaskSource)
 from prefect.utilities.hashing import hash_objects
 
 from hpc_garage.compat import cache_policy_unset
 from hpc_garage.core.sweep import SOURCE_CHANGES, SOURCES_DIR
+from hpc_garage.files import append_private, write_private
 from hpc_garage.variables import RESULTS_ENV, SWEEP_ENV
 
-__all__ = ["SweepScope", "SweepTasks", "sweep_policy"]
+__all__ = ["SweepPolicy", "SweepScope", "SweepTasks", "sweep_policy"]
 
 
 @dataclass
 class SweepScope(CachePolicy):
-    """The part of a cache key that says which sweep (and epoch) a result belongs to. With `results` (the
-    epoch's results directory) it also notes a trial whose task source changed since it last ran there."""
+    """The part of a cache key that says which sweep (and epoch) a result belongs to."""
 
     sweep: str = ""
+
+    def compute_key(self, task_ctx: Any, inputs: dict[str, Any], flow_parameters: dict[str, Any],
+                    **kwargs: Any) -> str | None:
+        return self.sweep or None
+
+
+@dataclass
+class SweepPolicy(CompoundCachePolicy):
+    """TASK_SOURCE + INPUTS + SweepScope, keyed as Prefect's compound policy keys them; with `results` (the
+    epoch's results directory) it also notes a trial whose task source changed since it last ran there, from
+    the source and inputs keys it computes anyway (a trial's inputs are hashed once, not twice)."""
+
     results: str = ""
 
     def compute_key(self, task_ctx: Any, inputs: dict[str, Any], flow_parameters: dict[str, Any],
                     **kwargs: Any) -> str | None:
+        keys = [(policy, policy.compute_key(task_ctx=task_ctx, inputs=inputs, flow_parameters=flow_parameters,
+                                            **kwargs)) for policy in self.policies]
         if self.results and task_ctx is not None:
-            note_source(Path(self.results), task_ctx, inputs, flow_parameters)
-        return self.sweep or None
+            by_kind = {type(policy): key for policy, key in keys}
+            note_source(Path(self.results), task_ctx.task.name, by_kind.get(TaskSource), by_kind.get(Inputs))
+        found = [key for _, key in keys if key is not None]
+        return hash_objects(*found, raise_on_failure=True) if found else None
 
 
-def note_source(results: Path, task_ctx: Any, inputs: dict[str, Any], flow_parameters: dict[str, Any]) -> None:
+def note_source(results: Path, task_name: str, source: str | None, inputs: str | None) -> None:
     """Remember the source this trial (task name + inputs) runs with; a different one remembered means its
     cached result misses and it runs again: one line in SOURCE_CHANGES. Never fails the trial."""
     try:
-        task = task_ctx.task
-        source = TASK_SOURCE.compute_key(task_ctx, inputs, flow_parameters)
-        trial = hash_objects(task.name, INPUTS.compute_key(task_ctx, inputs, flow_parameters))
+        trial = hash_objects(task_name, inputs)
         if source is None or trial is None:
             return
         known = results / SOURCES_DIR / trial
@@ -67,18 +82,16 @@ def note_source(results: Path, task_ctx: Any, inputs: dict[str, Any], flow_param
         if before == source:
             return
         if before is not None:
-            with open(results / SOURCE_CHANGES, "a") as changes:  # one short line: an atomic append
-                changes.write(json.dumps({"task": task.name, "trial": trial, "at": time.time()}) + "\n")
+            change = {"task": task_name, "trial": trial, "at": time.time()}
+            append_private(results / SOURCE_CHANGES, [json.dumps(change)])
         known.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fresh = known.with_name(f".{trial}.{os.getpid()}")
-        fresh.write_text(source)
-        os.replace(fresh, known)  # whole, for a reader in another job
+        write_private(known, source)  # whole, for a reader in another job
     except Exception:  # noqa: BLE001 - bookkeeping for `status`; the trial itself must not depend on it
         return
 
 
 def sweep_policy(sweep: str, results: Path | None = None) -> CachePolicy:
-    return TASK_SOURCE + INPUTS + SweepScope(sweep=sweep, results=str(results or ""))
+    return SweepPolicy(policies=[TASK_SOURCE, INPUTS, SweepScope(sweep=sweep)], results=str(results or ""))
 
 
 class SweepTasks:

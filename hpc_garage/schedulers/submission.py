@@ -519,6 +519,18 @@ def status_all(roots: Sequence[Path] | None = None) -> list[JobView]:
     return sorted(views, key=lambda v: (v.record or {}).get("submitted") or 0, reverse=True)
 
 
+def run_dir_of(view: JobView, holding: str | None = None) -> Path | None:
+    """The job's run directory: the one hpc-garage submitted it with, else (a `run` on a login node, or in a
+    job written by hand) the first one of that id under a run root (that holds `holding`, where given)."""
+    if view.run_dir is not None:
+        return view.run_dir
+    for root in run_roots():
+        candidate = root / view.job_id
+        if (candidate / holding).exists() if holding else candidate.is_dir():
+            return candidate
+    return None
+
+
 def submitted_at(run_dir: Path) -> float | None:
     """When the job whose run directory this is was submitted (less CLOCK_SLACK), from its submit.json; None
     for a run hpc-garage did not submit. Files in it older than that are an earlier job's (a recycled id)."""
@@ -627,8 +639,7 @@ def sweep_text(sweep: dict[str, Any] | None) -> str | None:
     text += f" ({jobs} job{'s' if jobs != 1 else ''})"
     if changed := (sweep or {}).get("source_changed"):
         n = sum(changed.values())
-        text += (f"; {n} ran again because their task's source changed ({', '.join(changed)})" if n != 1
-                 else f"; 1 ran again because its task's source changed ({', '.join(changed)})")
+        text += f"; {n} ran again because {'its' if n == 1 else 'their'} task's source changed ({', '.join(changed)})"
     return text
 
 
