@@ -5,9 +5,11 @@
     python -m bench --only overhead,cli --runs 7 --out DIR
     python -m bench --only scaling  registration at 2-16 fake nodes on a second local SLURM (not in --quick)
     python -m bench --only faults   what issue 11's API-outage hooks cost per tagged task (on vs bypassed)
+    python -m bench --only ui       the managed Prefect server's start-up and memory with its UI and without
+    python -m bench --only deployment   a deployment run on an `hpc-garage` work pool against `submit`
 
 Each benchmark runs in its own Python process (bench.startup, bench.overhead, bench.fault_cost, bench.packing,
-bench.cli_speed), so one's imports, Prefect settings and clusters cannot colour another's figures. Needs the local SLURM up
+bench.cli_speed, bench.server_ui, bench.deployment), so one's imports, Prefect settings and clusters cannot colour another's figures. Needs the local SLURM up
 (scripts/local-slurm up) for start-up and packing; they are reported as skipped without it.
 """
 
@@ -26,7 +28,7 @@ from bench.common import PYTHON, ROOT, machine, say, slurm_problem
 from bench.report import write_reports
 
 RESULTS = Path(__file__).resolve().parent / "results"
-ORDER = ("cli", "overhead", "faults", "packing", "startup", "scaling")
+ORDER = ("cli", "overhead", "faults", "ui", "packing", "startup", "deployment", "scaling")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     sections: dict[str, Any] = {}
     failed = []
     for name in chosen:
-        if name in ("startup", "packing", "scaling") and no_slurm:
+        if name in ("startup", "packing", "deployment", "scaling") and no_slurm:
             sections[name] = {"skipped": no_slurm}
             say(f"{name}: skipped: {no_slurm}")
             continue
@@ -86,7 +88,7 @@ def _run(argv: list[str], log: Path) -> int:
 
 
 def _module(name: str) -> str:
-    return {"cli": "cli_speed", "faults": "fault_cost"}.get(name, name)
+    return {"cli": "cli_speed", "faults": "fault_cost", "ui": "server_ui"}.get(name, name)
 
 
 def _arguments(name: str, quick: bool, runs: int, out: Path) -> list[str]:
@@ -101,6 +103,8 @@ def _arguments(name: str, quick: bool, runs: int, out: Path) -> list[str]:
         # quick: not prefect-submitit (a Python 3.12 venv to build, and an interpreter start per trial)
         sizes = ["--gpu-trials", "8", "--cpu-trials", "2", "--seconds", "0.2", "--layouts", "ours,guide,jobqueue"] if quick else []
         return base + sizes + ["--plot", str(out / "packing-timeline.png")]
+    if name == "deployment":  # a deployment run on an hpc-garage work pool vs `submit` (issue 22)
+        return base + ["--poll", "5"]
     if name == "startup":
         return base + (["--nodes", "1"] if quick else [])
     if name == "scaling":

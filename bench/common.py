@@ -20,7 +20,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
-PYTHON = os.path.realpath(sys.executable)  # the real interpreter, never a pyenv shim
+# the interpreter of the environment hpc-garage runs in, as it was started: never realpath()'d (a venv's python
+# is a link to its base interpreter, which lacks the venv's packages)
+PYTHON = sys.executable
 BIN = Path(sys.executable).parent  # console scripts installed beside it (hpc-garage, dask-mpi)
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import importlib.metadata
+import json
 import re
 import time
 from collections.abc import Callable
@@ -27,7 +28,7 @@ from hpc_garage.core.errors import UserError
 VERIFIED: dict[str, tuple[str, str]] = {
     "distributed": ("2026.8.0", "2026.9.0"),
     "dask-jobqueue": ("0.9.0", "0.10.0"),
-    "prefect": ("3.8.0", "3.9.0"),
+    "prefect": ("3.8.0", "3.10.0"),
     "prefect-dask": ("0.3.7", "0.4.0"),
 }
 
@@ -103,6 +104,89 @@ def uses_outside_range() -> list[str]:
     """One line per private use whose package is installed outside the verified range."""
     return [f"{u.package} {version(u.package)}: {u.what} ({u.function}; verified {VERIFIED[u.package][0]}.."
             f"<{VERIFIED[u.package][1]})" for u in USES if not in_range(u.package)]
+
+
+def installed_versions() -> list[str]:
+    """`hpc-garage --version`'s line per package: installed version, and whether it is in the verified range
+    (read from the installed metadata: nothing is imported)."""
+    lines = []
+    for package, (low, high) in VERIFIED.items():
+        installed, wanted = version(package), f">={low},<{high}"
+        if in_range(package, installed):
+            lines.append(f"{package} {installed}: in the verified range {wanted}")
+        else:
+            lines.append(f"{package} {installed}: OUTSIDE the verified range {wanted} (hpc-garage's uses of its "
+                         f"private names fall back or refuse); pip install '{package}{wanted}'")
+    return lines
+
+
+# --------------------------------------------------------------------------- the registry's newest releases
+
+
+def newest_release(releases: list[str]) -> str | None:
+    """The newest final release (no a/b/rc/dev/post suffix: pip does not pick those either), or None."""
+    final = [r for r in releases if re.fullmatch(r"\d+(\.\d+)*", r.strip())]
+    return max(final, key=lambda r: tuple(int(x) for x in r.split(".")), default=None)
+
+
+def release_news(newest: dict[str, str | None]) -> list[tuple[bool, str]]:
+    """(still verified, line) per package of VERIFIED, from its newest release on the registry (None: none
+    found). A release at or past the range's first unverified version is news: verify it, then widen."""
+    news = []
+    for package, (low, high) in VERIFIED.items():
+        release, wanted = newest.get(package), f">={low},<{high}"
+        if release is None:
+            news.append((False, f"{package}: no release found on the registry (verified {wanted})"))
+        elif _key(release) >= _key(high):
+            news.append((False, f"{package} {release} is released, past the verified range {wanted}: run the "
+                                f"tests on it (the fast path, every private name in hpc_garage/compat.py), then widen "
+                                "VERIFIED there and pyproject.toml's bound"))
+        else:
+            news.append((True, f"{package} {release} (newest): in the verified range {wanted}"))
+    return news
+
+
+def registry_releases(package: str) -> list[str]:
+    """Every version of `package` on the package index, as `pip index versions` lists them (the user's pip
+    configuration holds: index, mirror, proxy)."""
+    import subprocess
+    import sys
+
+    try:
+        done = subprocess.run([sys.executable, "-m", "pip", "index", "versions", package], capture_output=True,
+                              text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        raise UserError(f"`pip index versions {package}` did not answer within 120 s; check the network or "
+                        "pip's index configuration (pip config list)") from None
+    listed = next((line for line in done.stdout.splitlines() if line.startswith("Available versions:")), None)
+    if done.returncode != 0 or listed is None:
+        said = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise UserError(f"`pip index versions {package}` failed ({said}); check the network or pip's index "
+                        "configuration (pip config list)")
+    return [v.strip() for v in listed.split(":", 1)[1].split(",") if v.strip()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m hpc_garage.compat [--latest]`: the installed versions against the verified ranges; with
+    --latest also each package's newest release on the index. Exit 1 where one is past its range."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m hpc_garage.compat", description=main.__doc__)
+    parser.add_argument("--latest", action="store_true", help="also ask the package index for the newest releases")
+    args = parser.parse_args(argv)
+    for line in installed_versions():
+        print(line)
+    if not args.latest:
+        return 0 if all(in_range(p) for p in VERIFIED) else 1
+    try:
+        news = release_news({p: newest_release(registry_releases(p)) for p in VERIFIED})
+    except UserError as exc:
+        print(f"hpc-garage: error: {exc}", file=sys.stderr)
+        return 2
+    for _, line in news:
+        print(line)
+    return 0 if all(ok for ok, _ in news) else 1
 
 
 # --------------------------------------------------------------------------------------------- distributed
@@ -241,13 +325,17 @@ def deployment_context() -> tuple[Any, Any]:
     return _deployment_id.get(), _deployment_parameters.get()
 
 
+@uses("prefect", "prefect.context._deployment_id / _deployment_parameters")
 def has_deployment_context() -> bool:
+    """Whether `deployment_context()` can read them (else the fast path is not taken)."""
     import prefect.context
 
     return all(hasattr(prefect.context, n) for n in ("_deployment_id", "_deployment_parameters"))
 
 
+@uses("prefect", "ContextModel.__var__")
 def has_context_vars(*kinds: Any) -> bool:
+    """Whether `context_var()` can read each context class's ContextVar (else the fast path is not taken)."""
     return all(hasattr(kind, "__var__") for kind in kinds)
 
 
@@ -377,6 +465,19 @@ def take_queued(service: type) -> list[tuple[Any, Any]]:
     return taken
 
 
+def queued_log(item: Any) -> dict[str, Any] | None:
+    """One item `take_queued(APILogWorker)` took, as the log's `LogCreate` dict: Prefect 3.8 queues that dict
+    (its size under `__payload_size__`), 3.9 the log's JSON as bytes. None for anything else (not kept)."""
+    if isinstance(item, (bytes, bytearray, memoryview)):
+        try:
+            item = json.loads(bytes(item))
+        except ValueError:
+            return None
+    if not isinstance(item, dict):
+        return None
+    return {k: v for k, v in item.items() if k != "__payload_size__"}
+
+
 @uses("prefect", "EventsWorker._client / PrefectEventsClient._unconfirmed_events")
 def unconfirmed_events(service: type) -> list[Any]:
     """The events each running EventsWorker's client sent, or failed to send, without the server confirming
@@ -454,3 +555,7 @@ def tag_limits_survive_outages(is_outage: Callable[[BaseException], bool], answe
     cls.acquire = acquire
     cls._hpc_garage_survives = True
     return True
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

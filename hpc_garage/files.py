@@ -2,16 +2,21 @@
 
 A file that holds an address, a key or a token is written readable by its owner only, and atomically, so
 no reader ever sees half of it. A file that several processes change is changed under `locked` (or appended
-to whole lines at a time). A job's run directory is `<run root>/<job id>/`.
+to whole lines at a time). A job's run directory is `<run root>/<job id>/`; what it holds is rundir.py's.
+A JSON file another process writes is read with `read_json`: missing, half-written or not an object is None.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+
+from hpc_garage.core.errors import UserError
 
 
 def write_private(path: Path, text: str) -> None:
@@ -21,6 +26,26 @@ def write_private(path: Path, text: str) -> None:
     with os.fdopen(fd, "w") as f:
         f.write(text)
     os.replace(tmp, path)
+
+
+def write_json(path: Path, data: Any, *, indent: int | None = None) -> None:
+    """`data` as JSON in a private file, atomically (`write_private`)."""
+    write_private(path, json.dumps(data, indent=indent))
+
+
+def read_json(path: Path, *, broken: str | None = None) -> dict[str, Any] | None:
+    """A JSON object from `path`; None when there is none. A file that exists but cannot be read or is not
+    JSON is None too (its writer may still be at it, or was killed), unless `broken` says why it matters: then
+    it is refused in one line, `broken` being the hint (what wrote it, what to do)."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        if broken is None:
+            return None
+        raise UserError(f"{path} cannot be read ({exc}); {broken}") from None
+    return data if isinstance(data, dict) else None
 
 
 def append_private(path: Path, lines: list[str]) -> None:

@@ -36,6 +36,20 @@ def slurm_reachable() -> str | None:
     return None
 
 
+SERVER_FIXTURES = {"api", "cluster", "runner"}  # a Prefect server, a Dask cluster (below)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A test that starts a Prefect server or a Dask cluster is marked `slow`, so that the fast layer
+    (`scripts/test --fast`: -m "not slow and not slurm") starts none; one that uses these fixtures unmarked
+    is refused here rather than slowing every fast run."""
+    unmarked = [item.nodeid for item in items
+                if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())) and "slow" not in item.keywords]
+    if unmarked:
+        raise pytest.UsageError("mark these tests `slow` (they start a Prefect server or a Dask cluster): "
+                                + ", ".join(unmarked))
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if "slurm" in item.keywords and (why := slurm_reachable()):
         if os.environ.get("CI") == "true":

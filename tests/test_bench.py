@@ -88,7 +88,7 @@ def test_quick_bench_runs_every_benchmark(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "latest.json").read_text())
-    assert set(report["benchmarks"]) == {"cli", "overhead", "faults", "packing", "startup"}
+    assert set(report["benchmarks"]) == {"cli", "overhead", "faults", "ui", "packing", "startup", "deployment"}
     for name, section in report["benchmarks"].items():
         assert section.get("figures"), (name, section)
         ours = [f for f in section["figures"] if f["ours"]]
@@ -118,6 +118,8 @@ def test_scaling_model_reads_the_probe_samples_and_fits_cpu_per_worker() -> None
     assert fit([(3, 0.5), (7, 0.9), (15, 1.7)]) == (pytest.approx(0.2), pytest.approx(0.1))
 
 
+@pytest.mark.slurm
+@pytest.mark.slow  # starts a second SLURM cluster (about 20 s)
 @pytest.mark.skipif(common.slurm_problem() is not None, reason="no local SLURM (scripts/local-slurm up)")
 def test_local_slurm_brings_up_a_second_named_cluster_beside_the_default(tmp_path: Path) -> None:
     """README: `scripts/local-slurm up --name NAME --nodes N` is a separate cluster reached through SLURM_CONF;

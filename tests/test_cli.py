@@ -83,12 +83,15 @@ def test_sites_lists_where_each_was_found(tmp_path: Path) -> None:
 
 
 def test_version() -> None:
-    from hpc_garage import __version__
+    from hpc_garage import __version__, compat
 
-    assert __version__ in hpcg("--version").stdout
+    lines = hpcg("--version").stdout.splitlines()
+    assert lines[0] == f"hpc-garage {__version__}"
+    for package, (low, high) in compat.VERIFIED.items():  # what the tests run on is verified (test_compat)
+        assert f"{package} {compat.version(package)}: in the verified range >={low},<{high}" in lines
 
 
-@pytest.mark.parametrize("args", [["--help"], ["sites"], ["show", "--site", "slurm-gpu", "--nodes", "2"]])
+@pytest.mark.parametrize("args", [["--help"], ["--version"], ["sites"], ["show", "--site", "slurm-gpu", "--nodes", "2"]])
 def test_light_commands_do_not_import_heavy_libraries(args: list[str], tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-X", "importtime", "-m", "hpc_garage", *args],
                           capture_output=True, text=True, env=clean_env(), cwd=tmp_path)

@@ -61,3 +61,96 @@ def test_fallbacks_leave_behaviour_alone_outside_the_range(monkeypatch: pytest.M
     assert compat.skip_forkserver_optional_preload() is False
     assert distributed.utils._forkserver_preload_set is False
     assert compat.stretch_no_tag_limits_cache(60.0) is False
+
+
+def test_queued_logs_are_read_in_both_of_prefects_shapes() -> None:
+    """Prefect 3.8's APILogWorker queues the LogCreate dict (with its size); 3.9 queues the log's JSON bytes."""
+    line = {"name": "prefect.task_runs", "level": 20, "message": "hi", "flow_run_id": "f", "task_run_id": None}
+    assert compat.queued_log({**line, "__payload_size__": 99}) == line
+    assert compat.queued_log(b'{"name": "prefect.task_runs", "level": 20, "message": "hi", "flow_run_id": "f", '
+                             b'"task_run_id": null}') == line
+    assert compat.queued_log(memoryview(b'{"message": "m"}')) == {"message": "m"}
+    assert compat.queued_log(b"not json") is None and compat.queued_log(None) is None
+
+
+def test_prefects_own_log_queue_is_read() -> None:
+    """What this Prefect's APILogWorker queues for a log, read back as the dict that was sent."""
+    from prefect.logging.handlers import APILogWorker
+
+    line = {"name": "n", "level": 20, "message": "m", "timestamp": "2026-01-01T00:00:00Z", "flow_run_id": None,
+            "task_run_id": None}
+    queued = []
+    original = APILogWorker.__mro__[1].send  # the queue service's own send: what reaches its queue
+    try:
+        APILogWorker.__mro__[1].send = lambda self, item: queued.append(item)  # type: ignore[method-assign]
+        APILogWorker.send(object.__new__(APILogWorker), {**line, "__payload_size__": 10})
+    finally:
+        APILogWorker.__mro__[1].send = original  # type: ignore[method-assign]
+    assert [compat.queued_log(item) for item in queued] == [line]
+
+
+# ---- the verified ranges against what is installed (`hpc-garage --version`) and what is released (--latest)
+
+
+def test_installed_versions_say_whether_each_is_verified(monkeypatch: pytest.MonkeyPatch) -> None:
+    installed = {"distributed": "2026.8.0", "dask-jobqueue": "0.9.0", "prefect": "3.10.0",
+                 "prefect-dask": "(not installed)"}
+    monkeypatch.setattr(compat, "version", installed.__getitem__)
+    lines = dict(line.split(" ", 1) for line in compat.installed_versions())
+    assert set(lines) == set(compat.VERIFIED)
+    assert lines["distributed"].startswith("2026.8.0: in the verified range >=2026.8.0,<")
+    low, high = compat.VERIFIED["prefect"]
+    assert lines["prefect"] == (f"3.10.0: OUTSIDE the verified range >={low},<{high} (hpc-garage's uses of its "
+                                f"private names fall back or refuse); pip install 'prefect>={low},<{high}'")
+    assert lines["prefect-dask"].startswith("(not installed): OUTSIDE")
+
+
+@pytest.mark.parametrize(("releases", "newest"), [
+    (["3.9.1", "3.9.0", "3.10.0rc1", "3.8.8"], "3.9.1"),  # a pre-release is not what pip installs
+    (["2026.10.0", "2026.9.1", "2026.11.0.dev0"], "2026.10.0"),  # compared as numbers, not text
+    (["0.10.0", "0.9.0", "0.9.0.post1"], "0.10.0"),
+    (["1.0b2"], None), ([], None)])
+def test_newest_release(releases: list[str], newest: str | None) -> None:
+    assert compat.newest_release(releases) == newest
+
+
+def test_a_release_past_a_verified_range_is_news(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(compat, "VERIFIED", {"prefect": ("3.8.0", "3.10.0"), "distributed": ("2026.8.0", "2026.9.0"),
+                                              "prefect-dask": ("0.3.7", "0.4.0")})
+    news = compat.release_news({"prefect": "3.10.0", "distributed": "2026.8.3", "prefect-dask": None})
+    assert [ok for ok, _ in news] == [False, True, False]
+    assert news[0][1].startswith("prefect 3.10.0 is released, past the verified range >=3.8.0,<3.10.0: run the tests")
+    assert news[1][1] == "distributed 2026.8.3 (newest): in the verified range >=2026.8.0,<2026.9.0"
+    assert "no release found" in news[2][1]
+    assert all(ok for ok, _ in compat.release_news({"prefect": "3.9.9", "distributed": "2026.8.0",
+                                                    "prefect-dask": "0.3.99"}))
+
+
+def test_latest_asks_the_index_and_exits_1_on_news(monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    released = {p: [low] for p, (low, _) in compat.VERIFIED.items()} | {"prefect": ["3.8.0", "4.0.0", "3.9.1"]}
+    monkeypatch.setattr(compat, "registry_releases", released.__getitem__)
+    monkeypatch.setattr(compat, "version", lambda p: compat.VERIFIED[p][0])
+    assert compat.main(["--latest"]) == 1
+    assert "prefect 4.0.0 is released, past the verified range" in capsys.readouterr().out
+    released["prefect"] = ["3.9.1"]
+    assert compat.main(["--latest"]) == 0
+
+    def unreachable(package: str) -> list[str]:
+        raise UserError(f"`pip index versions {package}` failed (no network)")
+
+    monkeypatch.setattr(compat, "registry_releases", unreachable)
+    assert compat.main(["--latest"]) == 2
+    assert capsys.readouterr().err.startswith("hpc-garage: error: `pip index versions")
+
+
+def test_the_index_listing_is_parsed(monkeypatch: pytest.MonkeyPatch) -> None:
+    import subprocess
+
+    said = "prefect (3.9.1)\nAvailable versions: 3.9.1, 3.9.0, 3.8.8\n"
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, said, ""))
+    assert compat.registry_releases("prefect") == ["3.9.1", "3.9.0", "3.8.8"]
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
+        a, 1, "", "ERROR: No matching distribution found for prefect\n"))
+    with pytest.raises(UserError, match="No matching distribution found"):
+        compat.registry_releases("prefect")

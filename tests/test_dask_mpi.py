@@ -179,7 +179,7 @@ def test_the_runs_tls_files_become_the_security_a_nanny_builds_by_default(tmp_pa
     import dask
     from distributed.security import Security
 
-    from hpc_garage.cluster.handoff import RunDir
+    from hpc_garage.rundir import RunDir
 
     tls = RunDir(tmp_path).credential_paths()
     with dask.config.set(tls_config(tls)):

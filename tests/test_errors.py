@@ -232,48 +232,6 @@ def test_a_good_scheduler_file_of_this_job_is_accepted(tmp_path: Path) -> None:
     assert done.stdout.strip() == "accepted", done.stderr
 
 
-def test_run_clears_what_an_earlier_job_left_in_its_run_directory(tmp_path: Path) -> None:
-    """A recycled job id: a corrupt scheduler file, one that is a directory, old credentials are cleared, so
-    the new run's COMMAND never reads them."""
-    from hpc_garage.cluster.handoff import RunDir
-
-    rundir = RunDir.for_job(tmp_path, "42")
-    rundir.path.mkdir()
-    (rundir.path / "scheduler.json").mkdir()
-    (rundir.path / "dask-scheduler.json").write_text('{"address": ')
-    (rundir.path / "tls").mkdir()
-    (rundir.path / "tls" / "key.pem").write_text("old")
-    (rundir.path / "submit.json").write_text("{}")  # the job's own record stays
-    rundir.create()
-    assert sorted(p.name for p in rundir.path.iterdir()) == ["submit.json"]
-
-
-def test_a_recycled_job_id_starts_with_no_flow_runs_or_records_of_the_earlier_job(tmp_path: Path) -> None:
-    """The flow runs the earlier job noted and what it kept for replay are cleared when they predate this
-    job's submission; a requeued job (the same submission) keeps its first start's, for replay."""
-    import time
-
-    from hpc_garage.cluster.handoff import FLOW_RUNS_FILE, UNRECORDED_DIR, UNRECORDED_FILE, RunDir
-
-    rundir = RunDir.for_job(tmp_path, "42")
-    rundir.path.mkdir()
-
-    def earlier_jobs_files() -> None:
-        (rundir.path / FLOW_RUNS_FILE).write_text("1f0c\n")
-        (rundir.path / UNRECORDED_FILE).write_text("{}")
-        (rundir.path / UNRECORDED_DIR).mkdir(exist_ok=True)
-        (rundir.path / UNRECORDED_DIR / "events-h-1.jsonl").write_text("{}\n")
-
-    earlier_jobs_files()
-    rundir.create(submitted=time.time() - 3600)  # submitted before they were written: this job's own (requeued)
-    assert sorted(p.name for p in rundir.path.iterdir()) == sorted([FLOW_RUNS_FILE, UNRECORDED_FILE, UNRECORDED_DIR])
-    rundir.create(submitted=time.time() + 10)  # submitted after: an earlier job's
-    assert list(rundir.path.iterdir()) == []
-    earlier_jobs_files()
-    rundir.create(submitted=None)  # a run hpc-garage did not submit: nothing tells, nothing is removed
-    assert len(list(rundir.path.iterdir())) == 3
-
-
 @pytest.mark.slow
 def test_run_hands_command_its_own_scheduler_file_not_one_from_the_environment(tmp_path: Path) -> None:
     foreign = _scheduler_file(tmp_path / "foreign.json", job_id="123")

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from hpc_garage.core.allocation import Allocation
 from hpc_garage.core.errors import SiteError, UserError
 from hpc_garage.launchers.jobqueue.jobs import job_kwargs, submit_env, worker_scripts
-from hpc_garage.launchers.jobqueue.launcher import initial_workers, initial_layout
+from hpc_garage.launchers.jobqueue.plan import initial_workers, initial_layout
 from hpc_garage.launchers.jobqueue.scaling import PoolState, choose_pool, idle_jobs, pool_loads, pool_targets, task_weight
 from hpc_garage.launchers.jobqueue.worker import job_workers
 from hpc_garage.core.pools import RUN_END_MARGIN, UNTAGGED, job_shapes, lifetime, untagged_restrictions, worker_names

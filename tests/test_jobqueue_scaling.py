@@ -178,3 +178,30 @@ def test_the_policy_is_pure(banned: str) -> None:
     imported |= {node.module.split(".")[0] for node in ast.walk(tree)
                  if isinstance(node, ast.ImportFrom) and node.module}
     assert banned not in imported
+
+
+def test_a_new_job_gets_the_pools_walltime_or_what_the_run_has_left_or_is_not_submitted() -> None:
+    """`new_job_walltime`: no run end → the pool's walltime; a run ending sooner cuts it; a run ending within
+    RUN_END_MARGIN plus the drain window submits none (no task could start and finish there)."""
+    from hpc_garage.core.pools import RUN_END_MARGIN
+    from hpc_garage.launchers.jobqueue.scaling import new_job_walltime
+
+    assert new_job_walltime(7200, None, now=1000.0, window=5.0) == 7200
+    assert new_job_walltime(7200, 1000.0 + 9000, now=1000.0, window=5.0) == 7200  # the run outlasts the job
+    assert new_job_walltime(7200, 1000.0 + 600, now=1000.0, window=5.0) == 600  # cut to the run's end
+    assert new_job_walltime(7200, 1000.0 + RUN_END_MARGIN + 6, now=1000.0, window=5.0) == RUN_END_MARGIN + 6
+    assert new_job_walltime(7200, 1000.0 + RUN_END_MARGIN + 5, now=1000.0, window=5.0) is None
+
+
+def test_a_started_jobs_workers_live_until_the_job_or_the_run_ends_whichever_is_first() -> None:
+    """`job_lifetime`: None before a worker registered; else the pool's lifetime, shortened by the job's own
+    end (as the batch system said) and by the run's."""
+    from hpc_garage.launchers.jobqueue.scaling import job_lifetime
+
+    s = shape()
+    assert job_lifetime(running(started_at=None), s, run_end=None) is None  # type: ignore[arg-type]
+    assert job_lifetime(running(), s, run_end=None) == lifetime(s.site)[0]
+    rec = running(started_at=100.0, ends_at=100.0 + 3600)  # the batch system gives it an hour
+    assert job_lifetime(rec, s, run_end=None) == lifetime(s.site, 3600)[0] < lifetime(s.site)[0]
+    rec = running(started_at=100.0, started=1e9)  # the run ends 30 minutes after it started
+    assert job_lifetime(rec, s, run_end=1e9 + 1800) == lifetime(s.site, None, 1800)[0] < lifetime(s.site)[0]

@@ -10,7 +10,9 @@ import pytest
 from hpc_garage.core.allocation import Allocation
 from hpc_garage.core.request import Request
 from hpc_garage.core.errors import UserError
-from hpc_garage.launchers.common import forkserver_env, listening_host, scheduler_preload, worker_preload
+from hpc_garage.launchers import common
+from hpc_garage.launchers.common import forkserver_env, listening_host
+from hpc_garage.prefect.preload import scheduler_preload, worker_preload
 from hpc_garage.launchers.mpi import launcher_rank, node_index, node_workers, rank_command, rank_commands
 from hpc_garage.core.layout import LayoutError, layout
 from hpc_garage.sites import load_site
@@ -131,6 +133,15 @@ def test_worker_preload_default_and_override() -> None:
 def test_the_scheduler_preloads_prefect_only_when_the_workers_do() -> None:
     assert scheduler_preload({}) == ["prefect.flows", "hpc_garage.prefect.task_runner"]
     assert scheduler_preload({"HPC_GARAGE_WORKER_PRELOAD": "distributed"}) == []
+
+
+def test_launchers_preload_what_run_names_and_know_no_prefect() -> None:
+    """The node processes and worker jobs take their preload from the workers' environment, which `run` fills
+    from what the CLI names (prefect/preload.py); without it, distributed alone."""
+    assert common.worker_preload({}) == ["distributed"]
+    assert common.worker_preload({"HPC_GARAGE_WORKER_PRELOAD": "distributed,hpc_garage.prefect.worker"}) == [
+        "distributed", "hpc_garage.prefect.worker"]
+    assert common.Preload().workers == ("distributed",) and common.Preload().scheduler == ()
 
 
 def test_listening_host_agrees_with_distributed() -> None:

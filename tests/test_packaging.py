@@ -15,6 +15,9 @@ def test_wheel_carries_site_configs_and_jobscripts(tmp_path: Path) -> None:
                            "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     (wheel,) = tmp_path.glob("hpc_garage-*.whl")
+    from hpc_garage._version import __version__
+
+    assert wheel.name.startswith(f"hpc_garage-{__version__}-")  # hatch reads the version from _version.py
     names = set(zipfile.ZipFile(wheel).namelist())
     for site in ("local", "slurm-cpu", "slurm-gpu", "pbs-cpu", "pbs-gpu", "lab-gpu"):
         assert f"hpc_garage/_data/site-configs/{site}.yaml" in names

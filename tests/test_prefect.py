@@ -24,7 +24,8 @@ from prefect_dask import DaskTaskRunner
 
 import hpc_garage
 from hpc_garage.core.errors import UserError
-from hpc_garage.cluster.handoff import Handoff, RunDir
+from hpc_garage.cluster.handoff import Handoff
+from hpc_garage.rundir import RunDir
 from hpc_garage.prefect.task_runner import HpcTaskRunner, task_runner
 from tests.conftest import task_runs
 

@@ -36,6 +36,7 @@ def test_a_longer_cache_of_prefects_own_is_left_alone(monkeypatch) -> None:  # n
     assert services._no_limits_cache is longer
 
 
+@pytest.mark.slow  # a real Prefect server (fixture `api`)
 def test_a_tagged_task_asks_nothing_while_prefect_has_its_tags_cached(api: dict[str, str], monkeypatch) -> None:  # noqa: ANN001
     """compat.tag_limits_survive_outages probes the API (/health) only where Prefect's own "no limits for these
     tags" cache missed: a probe per tagged task cost 70% of tasks/s (bench/fault_cost.py). Against the real
@@ -64,3 +65,19 @@ def test_a_tagged_task_asks_nothing_while_prefect_has_its_tags_cached(api: dict[
     assert [acquire() for _ in range(5)] == [[]] * 5 and probes == []  # from Prefect's cache: nothing asked
     services._no_limits_cache.clear()  # Prefect's cache missed: one probe first, then the API as before
     assert acquire() == [] and probes == [True]
+
+
+def test_settings_of_an_active_profile_are_hashed_on_every_verified_prefect() -> None:
+    """A profile with settings is active (a user's ~/.prefect/profiles.toml): Prefect 3.8.0 serializes its
+    settings keyed by `Setting` objects, and the flow's first fast-path task failed with "keys must be str"
+    (seen in a SLURM job on the oldest verified Prefect, `nox -s oldest`)."""
+    from prefect.context import SettingsContext, use_profile
+    from prefect.settings import PREFECT_API_URL, Profile
+
+    with use_profile(Profile(name="mine", settings={PREFECT_API_URL: "http://mine.example:4200/api"}),
+                     include_current_context=True):
+        data = SettingsContext.get().serialize()
+        payload = prefect_fast.Submitter()._settings()
+    assert payload is not None and payload.data == data and len(payload.key) == 64
+    assert prefect_fast._named_keys({PREFECT_API_URL: 1, "a": [{PREFECT_API_URL: 2}]}) == \
+        {"PREFECT_API_URL": 1, "a": [{"PREFECT_API_URL": 2}]}

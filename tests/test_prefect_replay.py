@@ -76,6 +76,7 @@ def kept_run(run_dir: Path, url: str, flow_run_id: str, task_run_ids: list[str])
     return kept
 
 
+@pytest.mark.slow  # a real Prefect server (fixture `api`)
 def test_replay_sends_what_was_kept_once(runs: tuple[Path, dict[str, str]], api: dict[str, str]) -> None:
     root, env = runs  # the environment names the API's auth string, as a user's would (PREFECT_API_*)
     url = api["PREFECT_API_URL"]
@@ -153,12 +154,13 @@ def test_replay_refuses_bad_input_in_one_line(runs: tuple[Path, dict[str, str]])
         assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow  # a real Prefect server (fixture `api`), started again
 def test_replay_reaches_the_managed_server_started_again(runs: tuple[Path, dict[str, str]], api: dict[str, str],
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """The job's API was hpc-garage's server; it stopped (`hpc-garage server stop`, as when it idles out) and
     nothing started it again: replay starts it, on another port and auth string, and the API then holds the
     job's runs. Runs last in this module: it replaces the module's server (about 15 s, most of it the start)."""
-    from hpc_garage.cluster.handoff import RUN_DIR_ENV
+    from hpc_garage.variables import RUN_DIR_ENV
     from hpc_garage.prefect import outage
     from hpc_garage.prefect.server import state_dir
 

@@ -26,7 +26,8 @@ from prefect.assets import Asset, materialize
 from prefect.context import FlowRunContext
 from prefect_dask.task_runners import PrefectDaskFuture
 
-from hpc_garage.cluster.handoff import Handoff, RunDir
+from hpc_garage.cluster.handoff import Handoff
+from hpc_garage.rundir import RunDir
 from hpc_garage.core.errors import UserError
 from hpc_garage.prefect import fast as prefect_fast
 from hpc_garage.prefect.task_runner import HpcTaskRunner, task_runner

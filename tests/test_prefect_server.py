@@ -70,6 +70,7 @@ def test_one_server_shared_reused_authenticated_and_stopped(home: Path) -> None:
     state = json.loads((state_dir() / "server.json").read_text())
     assert env == {"PREFECT_API_URL": state["url"], "PREFECT_API_AUTH_STRING": state["auth"],
                    "DO_NOT_TRACK": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                   "PREFECT_UI_URL": state["url"].removesuffix("/api") + "/v2",  # its UI (tests/test_prefect_ui.py)
                    "HPC_GARAGE_PREFECT_SERVER": json.dumps({"machine": os.uname().nodename.split(".")[0],
                                                             "host": "127.0.0.1", "database": "sqlite"})}
     directory = home / ".hpc-garage" / "prefect" / os.uname().nodename.split(".")[0]
@@ -156,3 +157,66 @@ def test_the_server_batches_its_records_and_the_users_settings_win(fake_python, 
     assert int(services.task_run_recorder.flush_interval) >= 1  # the recorder flushes every int(interval) s
     assert (services.event_persister.batch_size, services.event_persister.flush_interval) == (100, 1)
     assert services.triggers.read_batch_size == 100
+
+
+# ---- a server that cannot start: refused at once, naming the cause (not after the start timeout, 120 s)
+
+CANNOT_START = """
+import os, sys, time
+cause, entry, value = sys.argv[1:4]
+import prefect  # the real one: the broken copy below goes first on PYTHONPATH for the server's processes only
+from hpc_garage.prefect import server
+if cause == "import":
+    os.environ["PYTHONPATH"] = value
+else:
+    server._free_port = lambda host: int(value)  # another process took the port hpc-garage chose
+import hpc_garage
+import hpc_garage.prefect.task_runner  # imported before the clock starts: the refusal is timed, not imports
+from hpc_garage.cli import main
+from prefect import flow
+started = time.monotonic()
+try:
+    if entry == "task_runner":
+        @flow(task_runner=hpc_garage.task_runner())
+        def sweep() -> None:
+            pass
+    else:
+        main(["run", "--", sys.executable, "-c", "pass"])
+except SystemExit as exc:
+    print(f"exit {exc.code}")
+except Exception as exc:
+    print(f"{type(exc).__name__}: {exc}")
+print(f"took {time.monotonic() - started:.2f}")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("entry", ["task_runner", "run"])
+@pytest.mark.parametrize("cause", ["import", "port"])
+def test_a_server_that_cannot_start_is_refused_at_once(cause: str, entry: str, home: Path, tmp_path: Path) -> None:
+    """Prefect cannot be imported by the server (a broken install), or its port is taken: the keeper's child
+    exits at once, and so does the keeper (it used to outlive it, holding `task_runner()` and `run` for the
+    whole start timeout); the one line names the cause and the server log."""
+    import socket
+
+    broken = tmp_path / "broken"
+    (broken / "prefect").mkdir(parents=True)
+    (broken / "prefect" / "__init__.py").write_text(
+        "raise ImportError(\"cannot import name 'SERVER_API' from 'prefect.server' (a broken install)\")\n")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        value = str(broken) if cause == "import" else str(taken.getsockname()[1])
+        done = subprocess.run([sys.executable, "-c", CANNOT_START, cause, entry, value], capture_output=True,
+                              text=True, timeout=120, cwd=tmp_path)
+    said = done.stdout + done.stderr
+    took = float(done.stdout.rsplit("took ", 1)[1].split()[0])
+    print(f"{cause}, {entry}: refused after {took:.1f} s")
+    assert took < 10, said
+    line = next(x for x in said.splitlines() if "the Prefect server hpc-garage started" in x)
+    assert (entry == "run") == ("exit 2" in said), said
+    log = state_dir() / "server.log"
+    assert f"last lines of {log}" in line, line
+    cause_named = "cannot import name 'SERVER_API'" if cause == "import" else f"port {value} of 127.0.0.1 is already in use"
+    assert f"exited with code {1 if cause == 'import' else 2}: " in line and cause_named in line, line
+    assert not (state_dir() / "server.json").exists()

@@ -175,6 +175,35 @@ def test_a_server_in_use_stays(home: Path) -> None:
     assert wait_until(lambda: not prefect_server.pid_alive(pid), 90)
 
 
+@pytest.mark.slow
+def test_an_online_work_pool_worker_or_an_active_schedule_holds_the_server(home: Path) -> None:
+    """Nobody holds a lease and no run moves, but a worker polls for runs or the scheduler will create some."""
+    api = json.loads(in_child(HAND_OUT).stdout)  # its lease ends as it exits
+    token = base64.b64encode(api["PREFECT_API_AUTH_STRING"].encode()).decode()
+
+    def call(method: str, path: str, body: dict | None = None) -> object:
+        request = urllib.request.Request(f"{api['PREFECT_API_URL']}{path}", method=method, headers={
+            "Authorization": f"Basic {token}", "Content-Type": "application/json"},
+            data=None if body is None else json.dumps(body).encode())
+        with urllib.request.urlopen(request, timeout=30) as response:
+            text = response.read()
+            return json.loads(text) if text else None
+
+    pid = server_status()["pid"]
+    call("POST", "/work_pools/", {"name": "gpus", "type": "process"})
+    call("POST", "/work_pools/gpus/workers/heartbeat", {"name": "w1", "heartbeat_interval_seconds": 60})
+    flow = call("POST", "/flows/", {"name": "sweep"})
+    deployment = call("POST", "/deployments/", {"name": "nightly", "flow_id": flow["id"],
+                                                "schedules": [{"schedule": {"interval": 86400}, "active": True}]})
+    time.sleep(10)  # more than three idle limits
+    assert prefect_server.pid_alive(pid), "the server left while a worker was online"
+    call("DELETE", "/work_pools/gpus/workers/w1")
+    time.sleep(10)
+    assert prefect_server.pid_alive(pid), "the server left while a deployment had an active schedule"
+    call("PATCH", f"/deployments/{deployment['id']}", {"paused": True})
+    assert wait_until(lambda: not prefect_server.pid_alive(pid), 90), "no worker, no schedule: it should leave"
+
+
 def test_bad_settings_are_refused_in_one_line_and_nothing_starts(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HPC_GARAGE_PREFECT_DATABASE", "mysql")
     with pytest.raises(UserError, match=r"^HPC_GARAGE_PREFECT_DATABASE='mysql': give sqlite, postgresql"):

@@ -1,5 +1,5 @@
 """A run's progress (cluster/progress.py) as the scheduler counts it, and as `status` and `submit --wait`
-show it (schedulers/submission.py): a real Dask scheduler and worker in this process, and a real SLURM sweep
+show it (schedulers/submission/, cli/status_text.py): a real Dask scheduler and worker in this process, and a real SLURM sweep
 read mid-way."""
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 
 from hpc_garage.cluster.progress import prefect_ui_url
-from hpc_garage.schedulers.submission import progress_links, progress_text
+from hpc_garage.cli.status_text import progress_links
+from hpc_garage.schedulers.submission import progress_text
 
 PY = sys.executable
 SWEEP = Path(__file__).resolve().parent.parent / "examples" / "sweep.py"
@@ -155,7 +156,7 @@ def test_status_mid_sweep_shows_progress_that_moves(tmp_path: Path) -> None:
 def test_wait_line_is_rewritten_on_a_terminal_and_appended_when_piped() -> None:
     import io
 
-    from hpc_garage.schedulers.submission import progress_line
+    from hpc_garage.cli.status_text import progress_line
 
     class Terminal(io.StringIO):
         def isatty(self) -> bool:
@@ -280,7 +281,8 @@ def test_gpu_figures_reach_each_trials_prefect_task_run(tmp_path: Path) -> None:
         from fake_gpu_reader import figures
     finally:
         sys.path.pop(0)
-    from hpc_garage.cluster.progress import ARTIFACT_KEY, _auth
+    from hpc_garage.cluster.progress import ARTIFACT_KEY
+    from hpc_garage.prefect_api import auth_headers
     from hpc_garage.prefect.server import ensure_api
 
     tests = Path(__file__).resolve().parent  # the job imports the reader from tests/data, and this checkout
@@ -303,7 +305,7 @@ def test_gpu_figures_reach_each_trials_prefect_task_run(tmp_path: Path) -> None:
     request = urllib.request.Request(f"{api}/artifacts/filter", method="POST",
                                      data=json.dumps({"artifacts": {"key": {"any_": [ARTIFACT_KEY]}, "task_run_id": {
                                          "any_": [str(uuid.UUID(hex=t["key"][-32:])) for t in trials]}}}).encode(),
-                                     headers={"Content-Type": "application/json", **_auth(server)})
+                                     headers={"Content-Type": "application/json", **auth_headers(server)})
     with urllib.request.urlopen(request, timeout=10) as answer:
         artifacts = json.loads(answer.read())
     assert len(artifacts) == len(trials), artifacts

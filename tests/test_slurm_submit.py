@@ -206,7 +206,7 @@ def test_a_failure_after_sbatch_cancels_the_job(lab: dict[str, Path], monkeypatc
     def full_disk(path: Path, text: str) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(submission, "write_private", full_disk)
+    monkeypatch.setattr("hpc_garage.files.write_private", full_disk)  # the submit record's write (rundir)
     name = unique()
     with pytest.raises(OSError):
         submission.submit(submission.prepare("tsub", "job.py", ["sleep", "60"], Request(job_name=name)))

@@ -175,7 +175,7 @@ def test_failed_recording_cancels_the_job_and_removes_everything(
         (lab / "runs" / "42.out").write_text("the job started already\n")  # as if it ran before we cancelled
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(submission, "write_private", broken)
+    monkeypatch.setattr("hpc_garage.files.write_private", broken)  # the submit record's write (rundir)
     with pytest.raises(OSError):
         submission.submit(submission.prepare("t", "flow.py"))
     assert fake.calls[-1] == ["scancel", "42"]
@@ -189,7 +189,7 @@ def test_interrupt_while_recording_also_cancels(lab: Path, fake: FakeSlurm, monk
     def interrupted(path: Path, text: str) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(submission, "write_private", interrupted)
+    monkeypatch.setattr("hpc_garage.files.write_private", interrupted)  # the submit record's write (rundir)
     with pytest.raises(KeyboardInterrupt):
         submission.submit(submission.prepare("t", "flow.py"))
     assert ["scancel", "42"] in fake.calls
@@ -326,21 +326,6 @@ def test_a_recycled_id_in_the_queue_is_not_our_job(lab: Path, fake: FakeSlurm) -
     submission.submit(submission.prepare("t", "flow.py"))
     fake.answers["scontrol"] = [scontrol("RUNNING", name="someone-else")]
     assert submission.refresh(submission.find("42")).status is None
-
-
-class Terminal(io.StringIO):
-    def isatty(self) -> bool:
-        return True
-
-
-def test_progress_is_one_rewritten_line_on_a_terminal_and_plain_lines_elsewhere() -> None:
-    tty, pipe = Terminal(), io.StringIO()
-    for stream in (tty, pipe):
-        report = submission.progress_line(stream)
-        report("job 1 pending")
-        report("job 1 running")
-    assert tty.getvalue() == "\r\x1b[Kjob 1 pending\r\x1b[Kjob 1 running"
-    assert pipe.getvalue() == "job 1 pending\njob 1 running\n"
 
 
 def test_logs_prints_and_follows(lab: Path, fake: FakeSlurm) -> None:

@@ -1,6 +1,6 @@
-"""The run directory and the scheduler-file handoff between `hpc-garage run` and the user's flow.
+"""The scheduler-file handoff between `hpc-garage run` and the user's flow.
 
-Per job, `<run_directory>/<job id>/` (0700) holds:
+In the job's run directory (rundir.py owns its names and its clean-up):
   scheduler.json   Dask's scheduler-file format (`Client(scheduler_file=…)` reads its `address`) plus an
                    `hpc_garage` section: job id, TLS file paths, the Prefect API, the workers started. It is
                    written last, once every worker has registered, so its presence means "ready". 0600.
@@ -12,7 +12,6 @@ The flow finds the file through $HPC_GARAGE_SCHEDULER_FILE, which `run` exports 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import socket
@@ -23,109 +22,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpc_garage.core.errors import UserError
-from hpc_garage.files import append_private, pid_alive, run_dir, write_private
-from hpc_garage.variables import seconds
+from hpc_garage.files import pid_alive
+from hpc_garage.rundir import RunDir
+from hpc_garage.schedulers.job_env import job_id
+from hpc_garage.variables import JOB_ID_ENV, SCHEDULER_FILE_ENV, START_TIMEOUT, seconds
 
 if TYPE_CHECKING:
     from distributed.security import Security
 
-SCHEDULER_FILE_ENV = "HPC_GARAGE_SCHEDULER_FILE"
-JOB_ID_ENV = "HPC_GARAGE_JOB_ID"
-RUN_DIR_ENV = "HPC_GARAGE_RUN_DIR"
-START_TIMEOUT_ENV = "HPC_GARAGE_START_TIMEOUT"  # how long `run` gives its workers; COMMAND waits as long
-HANDOFF_FILES = ("scheduler.json", "dask-scheduler.json", "tls", "workers")
 HALF_WRITTEN_SECONDS = 3.0  # how long a scheduler file that is not valid JSON may still be being written
-FLOW_RUNS_FILE = "flow-runs"  # in the run directory: the flow runs COMMAND started, one id a line
-UNRECORDED_FILE = "unrecorded.json"  # what Prefect's API did not get, summed up (prefect/outage.py)
-UNRECORDED_DIR = "unrecorded"  # and kept for `hpc-garage replay`
-EARLIER_RUN_FILES = (FLOW_RUNS_FILE, UNRECORDED_FILE, UNRECORDED_DIR)  # a run's own, not its job id's
-
-
-def note_flow_run(flow_run_id: str, env: Mapping[str, str] | None = None) -> None:
-    """Under `hpc-garage run`: say which flow run COMMAND started, so that `run` can set it Crashed if COMMAND
-    is killed before Prefect could (even before any trial finished). Bookkeeping: never fails the flow."""
-    run_dir = (os.environ if env is None else env).get(RUN_DIR_ENV)
-    if not run_dir:
-        return
-    with contextlib.suppress(OSError):
-        append_private(Path(run_dir) / FLOW_RUNS_FILE, [flow_run_id])
-
-
-def noted_flow_runs(run_dir: Path) -> list[str]:
-    try:
-        return list(dict.fromkeys(line.strip() for line in (run_dir / FLOW_RUNS_FILE).read_text().splitlines()
-                                  if line.strip()))
-    except OSError:
-        return []
-
-
-@dataclass(frozen=True)
-class RunDir:
-    path: Path
-
-    @classmethod
-    def for_job(cls, root: str | Path, job_id: str) -> RunDir:
-        return cls(run_dir(root, job_id))
-
-    def create(self, submitted: float | None = None) -> RunDir:
-        """Make the directory private, and clear what an earlier job with the same id left behind: the
-        handoff always; its flow runs and unreplayed records where they predate this job's submission
-        (`submitted`: a requeued job keeps what its first start left for replay)."""
-        import shutil
-
-        self.path.mkdir(parents=True, exist_ok=True, mode=0o700)
-        os.chmod(self.path, 0o700)
-        for name in HANDOFF_FILES + EARLIER_RUN_FILES:
-            stale = self.path / name
-            try:
-                if name in EARLIER_RUN_FILES and (submitted is None or stale.stat().st_mtime >= submitted):
-                    continue
-            except FileNotFoundError:
-                continue
-            if stale.is_dir():
-                shutil.rmtree(stale)
-            elif stale.exists():
-                stale.unlink()
-        return self
-
-    @property
-    def scheduler_file(self) -> Path:
-        return self.path / "scheduler.json"
-
-    @property
-    def dask_scheduler_file(self) -> Path:
-        return self.path / "dask-scheduler.json"
-
-    def write_credentials(self) -> dict[str, str]:
-        """Fresh TLS credentials for this job only; returns the file paths as Security keyword arguments."""
-        from distributed.security import Security
-
-        temporary = Security.temporary()
-        tls = self.path / "tls"
-        tls.mkdir(mode=0o700, exist_ok=True)
-        write_private(tls / "cert.pem", temporary.tls_ca_file)
-        write_private(tls / "key.pem", temporary.tls_client_key)
-        return self.credential_paths()
-
-    def credential_paths(self) -> dict[str, str]:
-        """Where `write_credentials` puts them, as Security keyword arguments: known before they exist, so
-        workers and COMMAND can be started while the credentials (and the scheduler) are made."""
-        tls = self.path / "tls"
-        cert, key = str(tls / "cert.pem"), str(tls / "key.pem")
-        return {
-            "tls_ca_file": cert,
-            "tls_client_cert": cert,
-            "tls_client_key": key,
-            "tls_scheduler_cert": cert,
-            "tls_scheduler_key": key,
-            "tls_worker_cert": cert,
-            "tls_worker_key": key,
-        }
-
-    def publish(self, handoff: Handoff) -> Path:
-        """Write scheduler.json: the cluster is ready."""
-        write_private(self.scheduler_file, json.dumps(handoff.to_json(), indent=2))
-        return self.scheduler_file
 
 
 @dataclass(frozen=True)
@@ -246,17 +151,12 @@ def handoff_from_env(env: Mapping[str, str] | None = None, timeout: float | None
     if not path:
         return None
     if timeout is None:
-        timeout = seconds(env, START_TIMEOUT_ENV, 60) + 30
-    state = Path(env[RUN_DIR_ENV]) / "state.json" if env.get(RUN_DIR_ENV) else None
+        timeout = seconds(env, START_TIMEOUT, 60) + 30
+    rundir = RunDir.of_this_run(env)
 
     def given_up() -> bool:
-        try:
-            return state is not None and json.loads(state.read_text()).get("phase") in ("failed", "done")
-        except (OSError, ValueError):
-            return False
+        return rundir is not None and (rundir.state() or {}).get("phase") in ("failed", "done")
 
     # under `run`, its job; else the batch job this process runs in: another job's file is refused
-    from hpc_garage.schedulers import job_id
-
     expect = env.get(JOB_ID_ENV) or job_id(env)
     return Handoff.read(path, expect_job=expect, timeout=timeout, given_up=given_up)

@@ -14,6 +14,7 @@ from typing import Any
 from hpc_garage.core.site import Site
 from hpc_garage.launchers.common import local_directory
 from hpc_garage.launchers.local import local_layout, worker_specs
+from hpc_garage.variables import SITE_ENV
 
 
 def cluster_specs(workers: list[Any], *, security: Any = None, env: dict[str, str] | None = None,
@@ -56,7 +57,7 @@ def _spec_cluster_class() -> type:
                      env: dict[str, str] | None = None, processes: bool = True,
                      dashboard_address: str | None = ":0", **kwargs: Any) -> None:
             if not isinstance(site, Site):
-                site = load_site(site or os.environ.get("HPC_GARAGE_SITE") or "local")
+                site = load_site(site or os.environ.get(SITE_ENV) or "local")
             self.site_layout, self.notes = local_layout(site)  # SpecCluster already has a `plan`
             scheduler, workers = cluster_specs(self.site_layout.workers, security=security, env=env,
                                                local_directory=local_directory(site.local_directory),

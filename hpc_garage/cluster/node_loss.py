@@ -16,7 +16,7 @@ is away that long is gone). Each loss goes to the job log and to state.json's `l
 from __future__ import annotations
 
 import asyncio
-import sys
+import logging
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -29,9 +29,7 @@ POLL = 0.5  # s between looks at the launcher and the scheduler
 NODE_GONE_AFTER = 10.0  # s all of a node's workers may be away before the node counts as lost (mpiexec)
 RESTART_WAIT = 30.0  # s a restart waits for the lost node's old workers to leave the scheduler (their names)
 
-
-def say(message: str) -> None:
-    print(f"hpc-garage: {message}", file=sys.stderr, flush=True)
+logger = logging.getLogger(__name__)  # the job log: each lost node, each restart, why the run stops
 
 
 async def watch_nodes(scheduler: Any, launcher: Launcher, layout_: Layout, record: Callable[..., None],
@@ -69,8 +67,8 @@ async def watch_nodes(scheduler: Any, launcher: Launcher, layout_: Layout, recor
                      "restarted": False}
             lost.append(entry)
             down.add(node)
-            say(f"node {node} ({hosts[node]}) lost at {time.strftime('%H:%M:%S')}: {why}; its workers "
-                f"({', '.join(names[node])}) are gone, and their running trials go to the other workers")
+            logger.info(f"node {node} ({hosts[node]}) lost at {time.strftime('%H:%M:%S')}: {why}; its workers "
+                        f"({', '.join(names[node])}) are gone, and their running trials go to the other workers")
             if mpi.on_node_loss == "stop":
                 record(workers=len(scheduler.workers), lost_nodes=lost)
                 stop(f"stopping the run: node {node} ({hosts[node]}) was lost and the site's mpi.on_node_loss "
@@ -82,8 +80,8 @@ async def watch_nodes(scheduler: Any, launcher: Launcher, layout_: Layout, recor
                     restarts[node] += 1
                     entry["restarted"] = True
                     down.discard(node)
-                    say(f"node {node} ({hosts[node]}): its process started again ({restarts[node]} of "
-                        f"{mpi.node_restarts} restarts), with the same workers and GPUs")
+                    logger.info(f"node {node} ({hosts[node]}): its process started again ({restarts[node]} of "
+                                f"{mpi.node_restarts} restarts), with the same workers and GPUs")
         if changed:
             last_count = len(scheduler.workers)
             record(workers=last_count, lost_nodes=lost)
@@ -120,7 +118,7 @@ class NodeWatch:
         from hpc_garage.launchers.common import end_process
 
         self.stopped = why
-        say(why)
+        logger.info(why)
         self._tasks.append(asyncio.ensure_future(end_process(proc, ((signal.SIGTERM, 30.0), (signal.SIGKILL, 5.0)))))
 
     def exit_code(self, code: int) -> int:

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from hpc_garage.compat import replace_valid_workers
-from hpc_garage.variables import switch
+from hpc_garage.variables import PLACEMENT as DISABLE_ENV, switch  # 0: Dask's own placement
 
 from hpc_garage.core.pools import fits
 
@@ -57,7 +57,6 @@ __all__ = ["DISABLE_ENV", "NAME", "FreeResourcePlacement", "enabled", "fits", "i
 
 NAME = "hpc-garage-placement"
 SWEEP_SECONDS = 1.0  # the safety-net sweep over held tasks
-DISABLE_ENV = "HPC_GARAGE_PLACEMENT"  # 0: Dask's own placement
 
 Signature = tuple[Any, ...]  # tasks with equal signatures have the same eligible workers
 

@@ -14,33 +14,34 @@ state.json under "progress"):
 At the end, `finish()` turns the record into the efficiency report (cluster/report.py): each trial's span as
 its worker's sampler timed it (Dask's startstops where no sampler spoke); then `attach_gpu_figures` gives
 each Prefect trial whose worker read its GPUs one table artifact (key ARTIFACT_KEY) on its task run and flow
-run, through the same API with plain HTTP (this layer does not import Prefect), within ATTACH_SECONDS in all.
+run, through the same API with hpc-garage's plain HTTP client (hpc_garage/prefect_api.py: this layer does not
+import Prefect), within ATTACH_SECONDS in all.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import importlib.util
 import json
 import re
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from hpc_garage.launchers.gpu_sampler import NAME as SAMPLER_NAME, TOPIC, TrialSampler
+from hpc_garage.prefect_api import PrefectApi
+from hpc_garage.variables import PREFECT_SERVER_ENV
 
 if TYPE_CHECKING:
     from distributed import Scheduler
+
+    from hpc_garage.rundir import RunDir
 
 __all__ = ["ARTIFACT_KEY", "NAME", "PROGRESS_SECONDS", "RunProgress", "attach_gpu_figures", "install",
            "prefect_ui_url"]
@@ -209,7 +210,8 @@ class RunProgress(SchedulerPlugin):
         }
         if url := self.api.get("PREFECT_API_URL"):
             figures["prefect"] = {"api": url, "ui": self.ui, "flow_runs": [
-                {"id": run, "url": prefect_ui_url(url, run)} for run in self.flow_runs]}
+                {"id": run, "url": prefect_ui_url(url, run, self.api.get("PREFECT_UI_URL"))}
+                for run in self.flow_runs]} | managed_server(self.api)
         self.last = figures
         return figures
 
@@ -236,18 +238,18 @@ class RunProgress(SchedulerPlugin):
         for key in reversed(list(self.trials)[-64:]):  # finished: in the API by now (a waiting one may not be)
             if (m := TASK_RUN_ID.search(key)) and m.group(1) not in self.looked_up:
                 self.looked_up.add(m.group(1))
-                self.lookup = asyncio.get_running_loop().run_in_executor(None, self._flow_run_of, url, m.group(1))
+                self.lookup = asyncio.get_running_loop().run_in_executor(None, self._flow_run_of, m.group(1))
                 return
 
-    def _flow_run_of(self, url: str, task_run_hex: str) -> None:
+    def _flow_run_of(self, task_run_hex: str) -> None:
+        client = PrefectApi.from_env(self.api)
+        assert client is not None  # looked up only where there is an API
         if self.ui is None:
-            self.ui = _serves_ui(url)
+            self.ui = _serves_ui(client)
         task_run = f"{task_run_hex[:8]}-{task_run_hex[8:12]}-{task_run_hex[12:16]}-{task_run_hex[16:20]}-{task_run_hex[20:]}"
-        request = urllib.request.Request(f"{url.rstrip('/')}/task_runs/{task_run}", headers=_auth(self.api))
         try:
-            with urllib.request.urlopen(request, timeout=5) as answer:
-                flow_run = json.loads(answer.read()).get("flow_run_id")
-        except (OSError, ValueError):
+            flow_run = client.get(f"/task_runs/{task_run}").get("flow_run_id")
+        except (OSError, ValueError, AttributeError):
             self.looked_up.discard(task_run_hex)  # not recorded yet, or the API is busy: try again later
             return
         if flow_run and flow_run not in self.flow_runs:
@@ -255,10 +257,10 @@ class RunProgress(SchedulerPlugin):
 
     # ------------------------------------------------------------------------------------ the end
 
-    def finish(self, run_dir: Path) -> list[str]:
+    def finish(self, rundir: RunDir) -> list[str]:
         """COMMAND ended: the last progress, then report.json in the run directory; its summary lines."""
-        from hpc_garage.cluster.report import REPORT_FILE, build, summary
-        from hpc_garage.files import write_private
+        from hpc_garage.cluster.report import build, summary
+        from hpc_garage.files import write_json
 
         if (tick := self.scheduler.periodic_callbacks.pop(NAME, None)) is not None:
             tick.stop()
@@ -267,10 +269,10 @@ class RunProgress(SchedulerPlugin):
             self.known_flow_runs()
             self.write(self.figures())
             report = build(self.record())
-            write_private(run_dir / REPORT_FILE, json.dumps(report))
+            write_json(rundir.report_file, report)
         except Exception as exc:  # noqa: BLE001 - the report must never turn a finished run into a failed one
             return [f"not written ({type(exc).__name__}: {exc})"]
-        lines = [*summary(report), f"written to {run_dir / REPORT_FILE} (`hpc-garage report JOB` shows it again)"]
+        lines = [*summary(report), f"written to {rundir.report_file} (`hpc-garage report JOB` shows it again)"]
         try:
             attached = attach_gpu_figures(report, self.api)
         except Exception as exc:  # noqa: BLE001 - bookkeeping in Prefect: never fails the run
@@ -309,17 +311,9 @@ def attach_gpu_figures(report: dict[str, Any], api: Mapping[str, str], *, budget
               if "gpu_util_mean" in t and t.get("gpus") and (m := TASK_RUN_ID.search(t["key"]))}
     if not url or not trials:
         return None
-    deadline = time.monotonic() + budget
-    base, headers = url.rstrip("/"), {**_auth(api), "Content-Type": "application/json"}
-
-    def call(path: str, body: Any) -> Any:
-        timeout = min(call_timeout, deadline - time.monotonic())
-        if timeout <= 0:
-            raise TimeoutError("out of time")
-        request = urllib.request.Request(f"{base}{path}", data=json.dumps(body).encode(), method="POST",
-                                         headers=headers)
-        with urllib.request.urlopen(request, timeout=timeout) as answer:
-            return json.loads(answer.read() or b"null")
+    client = PrefectApi.from_env(api, timeout=call_timeout, budget=budget)
+    assert client is not None and client.deadline is not None  # an API (checked above), and a budget
+    call = client.post
 
     flow_runs: dict[str, str] = {}
     ids = list(trials)
@@ -346,7 +340,7 @@ def attach_gpu_figures(report: dict[str, Any], api: Mapping[str, str], *, budget
     known = [task_run for task_run in ids if task_run in flow_runs]  # in the API: a plain Dask key is not
     pool = ThreadPoolExecutor(ATTACH_THREADS, thread_name_prefix=ARTIFACT_KEY)
     futures = [pool.submit(attach, task_run) for task_run in known]
-    wait(futures, timeout=max(deadline - time.monotonic(), 0))
+    wait(futures, timeout=max(client.deadline - time.monotonic(), 0))
     pool.shutdown(wait=False, cancel_futures=True)
     attached = sum(1 for f in futures if f.done() and not f.cancelled() and f.exception() is None)
     line = f"GPU figures attached to {attached} Prefect task runs as artifacts (key {ARTIFACT_KEY})"
@@ -358,35 +352,39 @@ def attach_gpu_figures(report: dict[str, Any], api: Mapping[str, str], *, budget
     return f"{line}; {', '.join(missed)}" if missed else line
 
 
-def prefect_ui_url(api_url: str, flow_run: str) -> str:
-    """The Prefect UI page of a flow run, from the API URL (Prefect Cloud's or a server's)."""
+def prefect_ui_url(api_url: str, flow_run: str, ui_url: str | None = None) -> str:
+    """The Prefect UI page of a flow run: under PREFECT_UI_URL when given (hpc-garage's server sets it), else
+    from the API URL (Prefect Cloud's or a server's), as Prefect's own "View at" link."""
+    if ui_url:
+        return f"{ui_url.rstrip('/')}/runs/flow-run/{flow_run}"
     m = re.match(r"https://api\.prefect\.(cloud|dev)/api/accounts/([^/]+)/workspaces/([^/]+)", api_url)
     if m:
         return f"https://app.prefect.{m.group(1)}/account/{m.group(2)}/workspace/{m.group(3)}/runs/flow-run/{flow_run}"
     return f"{re.sub(r'/api/?$', '', api_url.rstrip('/'))}/runs/flow-run/{flow_run}"
 
 
-def _serves_ui(api_url: str) -> bool | None:
+def managed_server(api: Mapping[str, str]) -> dict[str, Any]:
+    """{"server": {"machine", "host"}} when the API is hpc-garage's server (`hpc-garage server auth` finds its
+    auth string from these); {} for the user's own."""
+    try:
+        recorded = json.loads(api.get(PREFECT_SERVER_ENV) or "null")
+    except ValueError:
+        return {}
+    if not isinstance(recorded, dict):
+        return {}
+    return {"server": {key: str(recorded[key]) for key in ("machine", "host") if recorded.get(key)}}
+
+
+def _serves_ui(api: PrefectApi) -> bool | None:
     """Whether the server behind this API serves Prefect's UI (hpc-garage's own runs without it); None: unknown."""
-    base = re.sub(r"/api/?$", "", api_url.rstrip("/"))
-    if base == api_url.rstrip("/"):
+    base = re.sub(r"/api$", "", api.url)
+    if base == api.url:
         return None  # not a server's /api URL (Prefect Cloud): its UI is elsewhere, and always on
     try:
-        with urllib.request.urlopen(f"{base}/", timeout=5) as answer:
-            return "html" in answer.headers.get("content-type", "")
-    except urllib.error.HTTPError:
-        return False
+        answer = PrefectApi(base, headers=api.headers, own=api.own).answer("GET", "/")
     except OSError:
         return None
-
-
-def _auth(api: Mapping[str, str]) -> dict[str, str]:
-    """The header Prefect's client sends for an auth string or an API key."""
-    if auth := api.get("PREFECT_API_AUTH_STRING"):
-        return {"Authorization": f"Basic {base64.b64encode(auth.encode()).decode()}"}
-    if key := api.get("PREFECT_API_KEY"):
-        return {"Authorization": f"Bearer {key}"}
-    return {}
+    return answer.status < 400 and "html" in answer.content_type
 
 
 def _number(value: float) -> float | int:

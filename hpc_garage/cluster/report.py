@@ -20,9 +20,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-__all__ = ["REPORT_FILE", "build", "busy_and_gaps", "load", "plot", "summary"]
+__all__ = ["build", "busy_and_gaps", "load", "plot", "summary"]
 
-REPORT_FILE = "report.json"
 GPU_FIGURES = ("gpu_util_mean", "gpu_util_peak", "gpu_memory_peak")
 
 Span = tuple[float, float]
@@ -113,13 +112,14 @@ def load(view: Any, job_id: str) -> dict[str, Any]:
     import json
 
     from hpc_garage.core.errors import UserError
+    from hpc_garage.rundir import REPORT_FILE, RunDir
     from hpc_garage.schedulers.submission import run_dir_of
 
     run_dir = run_dir_of(view, REPORT_FILE)
     if run_dir is None:
         raise UserError(f"job {job_id} has no run directory here, so no report; pass --site if its site keeps "
                         "its runs elsewhere")
-    path = run_dir / REPORT_FILE
+    path = RunDir(run_dir).report_file
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:

@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import shutil
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -25,22 +23,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hpc_garage.core.errors import UserError
-from hpc_garage.cluster.handoff import (JOB_ID_ENV, RUN_DIR_ENV, SCHEDULER_FILE_ENV, START_TIMEOUT_ENV, Handoff,
-                                       RunDir, noted_flow_runs)
+from hpc_garage.cluster.handoff import Handoff
 from hpc_garage.cluster.node_loss import NodeWatch
-from hpc_garage.files import write_private
-from hpc_garage.launchers.common import (Launcher, end_process, listening_host, scheduler_preload,
-                                        security_from, worker_preload)
+from hpc_garage.launchers.common import (Launcher, Preload, end_process, listening_host, security_from,
+                                        worker_preload)
 from hpc_garage.core.layout import Layout, layout
 from hpc_garage.cluster.sweep import RunSweep, join_sweep
 from hpc_garage.cluster.wind_down import WindDown
 from hpc_garage.core.site import Site
+from hpc_garage.prefect_api import PrefectApi, no_proxy_for, server_host
+from hpc_garage import log
+from hpc_garage.rundir import RunDir
+from hpc_garage.variables import (JOB_ID_ENV, RUN_DIR_ENV, SCHEDULER_FILE_ENV, SITE_ENV, START_TIMEOUT,
+                                  WORKER_PRELOAD)
 
-SITE_ENV = "HPC_GARAGE_SITE"
-
-
-def say(message: str) -> None:
-    print(f"hpc-garage: {message}", file=sys.stderr, flush=True)
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -53,7 +50,7 @@ class RunState:
 
     def __call__(self, phase: str, **extra: Any) -> None:
         self.data |= {"phase": phase, "expected": self.expected, "updated": time.time(), **extra}
-        write_private(self.rundir.path / "state.json", json.dumps(self.data))
+        self.rundir.write_state(self.data)
 
     def note(self, **extra: Any) -> None:
         """Record more of the run (progress, lost nodes, the wind-down) in the phase it is in, unless `phase=`."""
@@ -65,7 +62,8 @@ ApiForHost = Callable[[str], dict[str, str]]
 
 def run(site: Site, command: list[str], *, insecure: bool = False, timeout: float = 180,
         env: Mapping[str, str] | None = None, api: ApiForHost | None = None, sweep: str | None = None,
-        sweep_epoch: int | None = None, resume: bool = False, walltime: int | None = None) -> int:
+        sweep_epoch: int | None = None, resume: bool = False, walltime: int | None = None,
+        preload: Preload | None = None) -> int:
     """Run COMMAND against a cluster shaped by the site, in this job or here; COMMAND's exit code.
 
     `walltime` (seconds; `submit --time` for a jobqueue site whose driver runs on the login node): how long
@@ -74,19 +72,24 @@ def run(site: Site, command: list[str], *, insecure: bool = False, timeout: floa
 
     `api(host)` gives the environment that points the flow and every worker at one Prefect API listening
     where the scheduler does (the CLI passes `prefect.server.ensure_api`); None: no API is arranged.
+    `preload`: what the workers and the scheduler import first (the CLI passes Prefect's, prefect/preload.py);
+    None: $HPC_GARAGE_WORKER_PRELOAD, else distributed.
     """
     from hpc_garage.schedulers import allocation_from_env, in_batch_job, job_id as batch_job_id
 
+    log.setup()  # the job log's `hpc-garage: ...` lines (hpc_garage/log.py)
     env = dict(os.environ if env is None else env)
     env.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")  # workers' start-up chatter hides the flow's output
     os.environ["DASK_LOGGING__DISTRIBUTED"] = env["DASK_LOGGING__DISTRIBUTED"]  # local workers are our children
-    worker_preload(env)  # a module listed in $HPC_GARAGE_WORKER_PRELOAD that is not installed: refused now
+    # a module listed in $HPC_GARAGE_WORKER_PRELOAD that is not installed: refused now
+    preload = preload or Preload(tuple(worker_preload(env)))
     if not command:
         raise UserError("no COMMAND given; write it after --, e.g. `hpc-garage run -- python sweep.py`")
     if shutil.which(command[0], path=env.get("PATH")) is None and not os.path.exists(command[0]):
         raise UserError(f"{command[0]!r}: command not found; check the command after --")
     if site.launcher == "jobqueue":
-        from hpc_garage.launchers.jobqueue.launcher import JobqueueLauncher, initial_layout, run_end_time
+        from hpc_garage.launchers.jobqueue.launcher import JobqueueLauncher
+        from hpc_garage.launchers.jobqueue.plan import initial_layout, run_end_time
 
         job_id = batch_job_id(env) or f"local-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         layout_, notes = initial_layout(site)
@@ -114,26 +117,46 @@ def run(site: Site, command: list[str], *, insecure: bool = False, timeout: floa
     in_job = site.scheduler != "local" and in_batch_job(env)
     swept = join_sweep(site, command, job_id, name=sweep, epoch=sweep_epoch, resume=resume, in_job=in_job)
     for note in notes:
-        say(note)
+        logger.info(note)
     if insecure:
-        say("--insecure: the cluster speaks plain tcp; anyone who can reach its ports can run code in it")
-    say(f"sweep {swept.key} (results in {swept.results})")
-    from hpc_garage.schedulers.submission import submitted_at
-
+        logger.info("--insecure: the cluster speaks plain tcp; anyone who can reach its ports can run code in it")
+    logger.info(f"sweep {swept.key} (results in {swept.results})")
     rundir = RunDir.for_job(site.run_directory, job_id)
-    rundir.create(submitted_at(rundir.path))  # a recycled job id: what the earlier job left is cleared
+    rundir.create(rundir.submitted_at())  # a recycled job id: what the earlier job left is cleared
     ending = (_wind_down(site, env, job_id, rundir) if in_job
               else _run_deadline(site, job_id, walltime) if walltime is not None else None)
     try:
         return asyncio.run(_serve(site, layout_, launcher, rundir, job_id, command, env, insecure, timeout, api,
-                                  swept, ending))
+                                  swept, ending, preload))
     finally:
         launcher.abandon()
 
 
+@dataclass
+class _Run:
+    """One run's parts: those fixed before start-up, and those up so far. Teardown ends exactly what is up,
+    whichever step start-up stopped at (a signal, a launcher that failed, COMMAND exiting early)."""
+
+    site: Site
+    layout: Layout
+    launcher: Launcher
+    rundir: RunDir
+    job_id: str
+    state: RunState
+    tls: dict[str, str] | None
+    api_env: dict[str, str]
+    ending: WindDown | None
+    nodes: NodeWatch = field(default_factory=NodeWatch)  # lost nodes, for the whole run (cluster/node_loss.py)
+    proc: asyncio.subprocess.Process | None = None  # COMMAND
+    scheduler: Any = None
+    progress: Any = None  # trials, GPU figures, the report (cluster/progress.py)
+    preload: threading.Thread | None = None  # what the workers preload, imported here too
+    code: int | None = None  # COMMAND's exit code, once it ended by itself
+
+
 async def _serve(site: Site, layout_: Layout, launcher: Launcher, rundir: RunDir, job_id: str,
                  command: list[str], env: dict[str, str], insecure: bool, timeout: float,
-                 api: ApiForHost | None, swept: RunSweep, ending: WindDown | None) -> int:
+                 api: ApiForHost | None, swept: RunSweep, ending: WindDown | None, preload_names: Preload) -> int:
     """Start COMMAND, the workers and the scheduler at once (their imports overlap), publish the scheduler
     file once every worker has registered (COMMAND's task runner waits for it), end when COMMAND does."""
     logging.getLogger("distributed").setLevel(env["DASK_LOGGING__DISTRIBUTED"].upper())
@@ -141,85 +164,119 @@ async def _serve(site: Site, layout_: Layout, launcher: Launcher, rundir: RunDir
     state = RunState(rundir, len(expected))
     state("starting", workers=0, job_id=job_id, site=site.name, sweep=swept.key.name, epoch=swept.key.epoch)
     started = time.monotonic()
-    tls = None if insecure else rundir.credential_paths()
-    api_env = api(listening_host(launcher.scheduler_host)) if api is not None else {}
-    worker_env = {**site.env, **api_env, **swept.env, SITE_ENV: site.name,
-                  "DASK_LOGGING__DISTRIBUTED": env["DASK_LOGGING__DISTRIBUTED"]}
-    child_env = {**env, **api_env, **swept.env, SCHEDULER_FILE_ENV: str(rundir.scheduler_file), JOB_ID_ENV: job_id,
-                 RUN_DIR_ENV: str(rundir.path), SITE_ENV: site.name, START_TIMEOUT_ENV: f"{timeout:g}",
-                 **launcher.command_env}
-    scheduler: Any = None
-    progress: Any = None
-    preload: threading.Thread | None = None
-    code: int | None = None
-    proc: asyncio.subprocess.Process | None = None
+    host = listening_host(launcher.scheduler_host)
+    api_env = api(host) if api is not None else {}
+    run = _Run(site, layout_, launcher, rundir, job_id, state, None if insecure else rundir.credential_paths(),
+               api_env, ending)
+    worker_env, child_env = _environments(run, env, swept, timeout, preload_names, host)
     interrupted = _stop_on_signals()
     if ending is not None:
-        ending.bind(say, state.note)
+        ending.bind(note=state.note)
         ending.install_signals()  # the batch system's warning: wind down now (preemption, the site's signal)
-    nodes = NodeWatch()  # lost nodes, for the whole run (cluster/node_loss.py)
     try:
-        await launcher.prepare(tls, worker_env, rundir, timeout)
-        proc = await _start_command(command, child_env, interrupted,  # it imports Prefect while the cluster starts
-                                    on_signal=nodes.job_ending)
-        from distributed import Scheduler  # about a second of imports, while the others start
-
-        from hpc_garage.cluster.placement import install
-        from hpc_garage.cluster.progress import install as install_progress
-
-        if tls is not None:
-            rundir.write_credentials()
-        scheduler = Scheduler(port=0, dashboard_address=":0", security=security_from(tls),
-                              protocol="tls" if tls else "tcp", scheduler_file=str(rundir.dask_scheduler_file),
-                              **launcher.scheduler_host)
-        install(scheduler)  # resource tasks go only to workers with them free (placement.py); every launcher
-        await scheduler
-        progress = await install_progress(scheduler, lambda figures: state.note(progress=figures),
-                                          vendor=site.node.gpu_vendor, api=api_env,  # trials, GPUs, links; report
-                                          noted=lambda: noted_flow_runs(rundir.path))
-        os.chmod(rundir.dask_scheduler_file, 0o600)  # Dask writes it 0644; it names the cluster's address
-        preload = _import_in_background(scheduler_preload(env))
-        await launcher.start(scheduler.address, tls, worker_env, rundir)
-        if await _wait(scheduler, expected, timeout, launcher, state, proc):
-            say(f"{len(expected)} workers registered in {time.monotonic() - started:.1f} s; scheduler {scheduler.address}")
-            handoff = Handoff(address=scheduler.address, job_id=job_id, tls=tls,
-                              prefect_api_url=api_env.get("PREFECT_API_URL"), workers=expected, site=site.name)
-            rundir.publish(handoff)
-            state("running", workers=len(expected))
-            nodes.start(scheduler, launcher, layout_, state.note, proc)
-            if ending is not None:
-                ending.start(scheduler, proc)
-        code = nodes.exit_code(await _command_exit(proc))
-        if ending is not None:
-            code = ending.exit_code(code)
+        await launcher.prepare(run.tls, worker_env, rundir, timeout)
+        # COMMAND first: it imports Prefect while the cluster starts
+        run.proc = await _start_command(command, child_env, interrupted, on_signal=run.nodes.job_ending)
+        await _start_scheduler(run)
+        run.preload = _import_in_background(list(preload_names.scheduler))
+        await launcher.start(run.scheduler.address, run.tls, worker_env, rundir)
+        if await _wait(run.scheduler, expected, timeout, launcher, state, run.proc):
+            _hand_over(run, expected, started)
+        run.code = await _command_code(run)
     except asyncio.CancelledError:
         if not interrupted:
             raise
-        say(f"signal {interrupted[0]} before the workers were up: tearing down")
+        logger.info(f"signal {interrupted[0]} before the workers were up: tearing down")
     finally:
-        _on_signals(lambda sig: say(f"signal {sig} ignored: tearing down (stopping workers, cancelling jobs)"))
-        if code is None and proc is not None:
-            await _end_command(proc)
-        if progress is not None and code != 0:  # before the batch system's KillWait runs out
-            await asyncio.get_running_loop().run_in_executor(None, _crash_open_flow_runs, progress, code)
-        nodes.cancel()
-        if ending is not None:
-            ending.cancel()
-        launcher.draining()
-        for name in ("scheduler.json", "dask-scheduler.json", "tls", "ranks.json"):
-            target = rundir.path / name
-            shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
-        if progress is not None:  # report.json and its summary, while the workers are still there
-            for line in progress.finish(rundir.path):
-                say(f"report: {line}")
-        if scheduler is not None:
-            await _retire(scheduler)
-            await scheduler.close(reason="hpc-garage run: command finished")
-        await launcher.stop()
-        if preload is not None:  # an interpreter exiting mid-import in a thread can crash (seen: SIGSEGV)
-            await asyncio.get_running_loop().run_in_executor(None, preload.join, 60)
-        state("done" if code is not None else "failed", exit_code=code)
-    return code if code is not None else 128 + interrupted[0] if interrupted else 1
+        await _tear_down(run)
+    return run.code if run.code is not None else 128 + interrupted[0] if interrupted else 1
+
+
+def _environments(run: _Run, env: dict[str, str], swept: RunSweep, timeout: float, preload_names: Preload,
+                  host: str) -> tuple[dict[str, str], dict[str, str]]:
+    """What every worker and COMMAND see: the site's variables, the Prefect API's and the sweep's, and how to
+    find this run (COMMAND: the scheduler file it waits for, the run directory); the run's own hosts (the
+    scheduler and its dashboard, the managed server) never go through a proxy."""
+    worker_env = {**run.site.env, **run.api_env, **swept.env, SITE_ENV: run.site.name,
+                  WORKER_PRELOAD: ",".join(preload_names.workers),  # each host's forkserver imports them
+                  "DASK_LOGGING__DISTRIBUTED": env["DASK_LOGGING__DISTRIBUTED"]}
+    child_env = {**env, **run.api_env, **swept.env, SCHEDULER_FILE_ENV: str(run.rundir.scheduler_file),
+                 JOB_ID_ENV: run.job_id, RUN_DIR_ENV: str(run.rundir.path), SITE_ENV: run.site.name,
+                 START_TIMEOUT: f"{timeout:g}", **run.launcher.command_env}
+    own = [host, server_host(run.api_env)]
+    worker_env |= no_proxy_for(own, {**env, **worker_env})
+    child_env |= no_proxy_for(own, child_env)
+    return worker_env, child_env
+
+
+async def _start_scheduler(run: _Run) -> None:
+    """The scheduler, here in `run`'s process (it never takes a GPU worker's place), with placement and
+    progress installed before any worker or task arrives. Started after COMMAND, so that Dask's imports
+    (about a second) overlap COMMAND's."""
+    from distributed import Scheduler
+
+    from hpc_garage.cluster.placement import install
+    from hpc_garage.cluster.progress import install as install_progress
+
+    if run.tls is not None:
+        run.rundir.write_credentials()
+    run.scheduler = Scheduler(port=0, dashboard_address=":0", security=security_from(run.tls),
+                              protocol="tls" if run.tls else "tcp",
+                              scheduler_file=str(run.rundir.dask_scheduler_file), **run.launcher.scheduler_host)
+    install(run.scheduler)  # resource tasks go only to workers with them free (placement.py); every launcher
+    await run.scheduler
+    run.progress = await install_progress(run.scheduler, lambda figures: run.state.note(progress=figures),
+                                          vendor=run.site.node.gpu_vendor, api=run.api_env,  # trials, GPUs,
+                                          noted=run.rundir.flow_runs)  # links; the report
+    os.chmod(run.rundir.dask_scheduler_file, 0o600)  # Dask writes it 0644; it names the cluster's address
+
+
+def _hand_over(run: _Run, expected: list[str], started: float) -> None:
+    """Every worker is up: publish the scheduler file, which COMMAND's task runner waits for; only now watch
+    for lost nodes and the job's end, since both act on a whole cluster."""
+    logger.info(f"{len(expected)} workers registered in {time.monotonic() - started:.1f} s; "
+                f"scheduler {run.scheduler.address}")
+    handoff = Handoff(address=run.scheduler.address, job_id=run.job_id, tls=run.tls,
+                      prefect_api_url=run.api_env.get("PREFECT_API_URL"), workers=expected, site=run.site.name)
+    run.rundir.publish(handoff)
+    run.state("running", workers=len(expected))
+    run.nodes.start(run.scheduler, run.launcher, run.layout, run.state.note, run.proc)
+    if run.ending is not None:
+        run.ending.start(run.scheduler, run.proc)
+
+
+async def _command_code(run: _Run) -> int:
+    """COMMAND's exit code as `run` exits with it: never 0 when a lost node or the job's end stopped it."""
+    assert run.proc is not None
+    code = run.nodes.exit_code(await _command_exit(run.proc))
+    return run.ending.exit_code(code) if run.ending is not None else code
+
+
+async def _tear_down(run: _Run) -> None:
+    """End what is up, in the order that loses least: COMMAND if it outlived a failed start-up, its flow runs
+    marked Crashed while the batch system still waits, the watches, the handoff withdrawn, the report while
+    the workers still answer, then the workers, the scheduler, the launcher's jobs. Signals are ignored from
+    here on, so that teardown completes (no worker job is left in the queue)."""
+    _on_signals(lambda sig: logger.info(f"signal {sig} ignored: tearing down (stopping workers, cancelling jobs)"))
+    if run.code is None and run.proc is not None:
+        await _end_command(run.proc)
+    if run.progress is not None and run.code != 0:  # before the batch system's KillWait runs out
+        await asyncio.get_running_loop().run_in_executor(None, _crash_open_flow_runs, run.progress, run.code)
+    run.nodes.cancel()
+    if run.ending is not None:
+        run.ending.cancel()
+    run.launcher.draining()
+    run.rundir.clear_handoff()
+    if run.progress is not None:  # report.json and its summary, while the workers are still there
+        for line in run.progress.finish(run.rundir):
+            logger.info(f"report: {line}")
+    if run.scheduler is not None:
+        await _retire(run.scheduler)
+        await run.scheduler.close(reason="hpc-garage run: command finished")
+    await run.launcher.stop()
+    if run.preload is not None:  # an interpreter exiting mid-import in a thread can crash (seen: SIGSEGV)
+        await asyncio.get_running_loop().run_in_executor(None, run.preload.join, 60)
+    run.state("done" if run.code is not None else "failed", exit_code=run.code)
 
 
 def _crash_open_flow_runs(progress: Any, code: int | None) -> None:
@@ -227,28 +284,21 @@ def _crash_open_flow_runs(progress: Any, code: int | None) -> None:
     still shows unfinished (the flow process was killed before it could say so) is set Crashed, so that no
     run shows Running for ever (progress knows them from their first submission). Bookkeeping: an API that
     does not answer is left alone."""
-    import urllib.request
-
-    from hpc_garage.cluster.progress import _auth
-
-    url = progress.api.get("PREFECT_API_URL")
-    if not url:
+    client = PrefectApi.from_env(progress.api, timeout=3)
+    if client is None:
         return
     how = f"exit code {code}" if code is not None else "interrupted"
     for flow_run in progress.known_flow_runs():
-        base = f"{url.rstrip('/')}/flow_runs/{flow_run}"
         try:
-            with urllib.request.urlopen(urllib.request.Request(base, headers=_auth(progress.api)), timeout=3) as r:
-                if json.loads(r.read()).get("state_type") in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
-                    continue
-            body = json.dumps({"state": {"type": "CRASHED", "message": f"hpc-garage run: COMMAND ended ({how}) "
-                                         "before the flow run reached a final state"}, "force": True}).encode()
-            request = urllib.request.Request(f"{base}/set_state", data=body, method="POST",
-                                             headers={**_auth(progress.api), "Content-Type": "application/json"})
-            with urllib.request.urlopen(request, timeout=3):
-                say(f"flow run {flow_run} set Crashed in Prefect's API (COMMAND ended, {how})")
-        except (OSError, ValueError) as exc:
-            say(f"flow run {flow_run}: could not check its state in Prefect's API ({exc})")
+            if client.get(f"/flow_runs/{flow_run}").get("state_type") in ("COMPLETED", "FAILED", "CRASHED",
+                                                                          "CANCELLED"):
+                continue
+            client.post(f"/flow_runs/{flow_run}/set_state", {
+                "state": {"type": "CRASHED", "message": f"hpc-garage run: COMMAND ended ({how}) before the flow "
+                          "run reached a final state"}, "force": True})
+            logger.info(f"flow run {flow_run} set Crashed in Prefect's API (COMMAND ended, {how})")
+        except (OSError, ValueError, AttributeError) as exc:
+            logger.info(f"flow run {flow_run}: could not check its state in Prefect's API ({exc})")
 
 
 def _wind_down(site: Site, env: Mapping[str, str], job_id: str, rundir: RunDir) -> WindDown:
@@ -260,7 +310,7 @@ def _wind_down(site: Site, env: Mapping[str, str], job_id: str, rundir: RunDir) 
     batch = detect(env, prefer=site.scheduler)
     assert batch is not None
     follow_up = None
-    if site.requeue == "auto" and (rundir.path / "job.sh").is_file():
+    if site.requeue == "auto" and rundir.script_file.is_file():
         def follow_up() -> str:
             return resubmit(rundir.path, after=job_id, how="follow-up").job_id
 
@@ -349,7 +399,7 @@ async def _wait(scheduler: Any, expected: list[str], timeout: float, launcher: L
             await waiting
             return True
         waiting.cancel()
-        say(f"COMMAND exited with code {proc.returncode} before the workers were up")
+        logger.info(f"COMMAND exited with code {proc.returncode} before the workers were up")
         return False
     finally:
         for task in (waiting, exited):

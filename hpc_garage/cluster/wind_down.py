@@ -16,6 +16,7 @@ A COMMAND that finishes on its own meanwhile finished the sweep: the follow-up j
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import time
 from collections.abc import Callable
@@ -27,6 +28,8 @@ EX_TEMPFAIL = 75  # sysexits: the sweep stopped short and can be resumed
 RECHECK_SECONDS = 300.0  # the time left is asked again this often (an admin may extend a job)
 TICK_SECONDS = 2.0
 WARNING_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGURG)
+
+logger = logging.getLogger(__name__)  # the job log: each step of the wind-down
 
 
 def margin_for(site: Site, limit: float) -> float:
@@ -46,7 +49,7 @@ class WindDown:
         self._time_left = time_left  # None: no batch job, no end
         self._follow_up = follow_up  # submits the follow-up job, gives its id; None: requeue: never
         self._cancel = cancel
-        self._say: Callable[[str], None] = print
+        self._say: Callable[[str], None] = logger.info  # the job log
         self._note: Callable[..., None] = lambda **kw: None  # state.json
         self._warned = asyncio.Event()
         self._warning: str | None = None
@@ -54,9 +57,11 @@ class WindDown:
         self.stopped = False  # COMMAND was stopped by the wind-down
         self.next_job: str | None = None
 
-    def bind(self, say: Callable[[str], None], note: Callable[..., None]) -> None:
-        """Where it reports: the job log, and state.json (what `status` shows)."""
-        self._say, self._note = say, note
+    def bind(self, say: Callable[[str], None] | None = None, note: Callable[..., None] | None = None) -> None:
+        """Where it reports: state.json (`note`, what `status` shows), and the job log through this module's
+        logger unless `say` takes its lines instead (a test's list)."""
+        self._say = say or self._say
+        self._note = note or self._note
 
     def warn(self, reason: str) -> None:
         """A signal handler's whole job: note it; the watch acts on it."""

@@ -17,6 +17,7 @@ from hpc_garage.core.allocation import Allocation, NodeAllocation
 from hpc_garage.core.errors import LayoutError
 from hpc_garage.core.per_node import NodeWorkers, PerNode, dumps
 from hpc_garage.core.units import format_bytes
+from hpc_garage.core.variable_names import CPUS_ENV
 from hpc_garage.core.worker_spec import WorkerSpec, number
 
 __all__ = ["Layout", "LayoutError", "WorkerSpec", "bind_node", "describe", "layout", "pin_gpus"]
@@ -177,9 +178,6 @@ def pin_gpus(spec: WorkerSpec, node_gpus: list[str] | tuple[str, ...], vendor: s
             f"{len(node_gpus)} GPUs ({','.join(node_gpus) or 'none'}); request the same GPUs on every node"
         )
     return _gpus.worker_env(_gpus.vendor_of(vendor), [node_gpus[s] for s in spec.gpu_slots])
-
-
-CPUS_ENV = "HPC_GARAGE_CPUS"  # a bound worker's CPUs (`0-7`): its process binds itself to them at start
 
 
 def bind_node(workers: list[WorkerSpec], node: int, gpu_ids: dict[str, tuple[str, ...]],

@@ -27,7 +27,6 @@ from hpc_garage.core.units import format_bytes, format_walltime
 
 UNTAGGED = "UNTAGGED"  # the marker resource of tasks without resource tags
 UNTAGGED_SUPPLY = 1_000_000  # what a worker that takes untagged tasks advertises: threads, not this, limit them
-POOL_RESOURCES_ENV = "HPC_GARAGE_POOL_RESOURCES"  # JSON: what each kind of worker the pools can start offers
 
 
 # ------------------------------------------------------------------------------------------ one job's shape

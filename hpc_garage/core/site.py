@@ -34,17 +34,17 @@ class _Strict(BaseModel):
 class NodeShape(_Strict):
     """What one node of the partition has. `auto` (cores, memory) means this machine: for `local` sites."""
 
-    cores: Annotated[int, BeforeValidator(_values.cores), Field(gt=0)]
-    memory: Annotated[int, BeforeValidator(_values.node_memory), Field(gt=0)]
-    gpus: int = Field(0, ge=0)
-    gpu_type: str | None = None
+    cores: Annotated[int, BeforeValidator(_values.cores), Field(gt=0)]  # cores of one node (`auto`: this machine's)
+    memory: Annotated[int, BeforeValidator(_values.node_memory), Field(gt=0)]  # memory of one node (`auto`: this machine's)
+    gpus: int = Field(0, ge=0)  # GPUs of one node (MIG instances are found in the job's own list)
+    gpu_type: str | None = None  # SLURM gres type: `a100` asks for --gres=gpu:a100:N
     gpu_vendor: Literal["nvidia", "amd", "intel"] = "nvidia"  # how workers are pinned: see core.gpus
 
 
 class WorkerLayout(_Strict):
     """How a node's cores, memory and GPUs are cut into Dask worker processes."""
 
-    per: Literal["gpu", "node", "process"] = "node"
+    per: Literal["gpu", "node", "process"] = "node"  # gpu: a worker per GPU; node: one per node; process: `processes` per node
     processes: int = Field(1, gt=0)  # workers per node, for per: process
     threads: int | None = Field(None, gt=0)  # Dask threads per worker; default: its CPU share
     reserve_memory: Bytes = 0  # per node, left to the OS, the scheduler and the batch system
@@ -54,9 +54,9 @@ class WorkerLayout(_Strict):
 class Limits(_Strict):
     """What the centre allows; checked before anything is submitted."""
 
-    max_nodes: int | None = Field(None, gt=0)
-    max_walltime: Seconds | None = None
-    max_gpus_per_node: int | None = Field(None, ge=0)
+    max_nodes: int | None = Field(None, gt=0)  # a request for more nodes is refused before submission
+    max_walltime: Seconds | None = None  # a longer --time is refused before submission
+    max_gpus_per_node: int | None = Field(None, ge=0)  # a larger --gpus-per-node is refused before submission
 
 
 class MpiSettings(_Strict):
@@ -75,13 +75,13 @@ class MpiSettings(_Strict):
     step on that node); `stop` ends the run at once. Either way a run left with no node stops at once.
     """
 
-    launch: Literal["auto", "srun", "mpiexec", "dask-mpi"] = "auto"
+    launch: Literal["auto", "srun", "mpiexec", "dask-mpi"] = "auto"  # what starts the node processes; dask-mpi: one MPI rank per worker
     via: Literal["auto", "srun", "mpiexec"] = "auto"  # read only with launch: dask-mpi
-    srun_args: list[str] = Field(default_factory=list)
-    mpiexec: str = "mpiexec"
-    flavor: Literal["openmpi", "mpich"] = "openmpi"
-    mpiexec_args: list[str] = Field(default_factory=list)
-    on_node_loss: Literal["continue", "stop"] = "continue"
+    srun_args: list[str] = Field(default_factory=list)  # extra srun options; dask-mpi ranks need `--mpi=pmix` where SLURM's MpiDefault is none
+    mpiexec: str = "mpiexec"  # the site's mpiexec (OpenMPI, MPICH/Hydra, Cray PALS, Intel MPI)
+    flavor: Literal["openmpi", "mpich"] = "openmpi"  # how ranks per node and the host file are spelled
+    mpiexec_args: list[str] = Field(default_factory=list)  # extra mpiexec options
+    on_node_loss: Literal["continue", "stop"] = "continue"  # continue on the other nodes, or end the run at once
     node_restarts: int = Field(default=1, ge=0)  # per node; srun only (one step per node)
 
 
@@ -105,8 +105,8 @@ class JobqueueSettings(_Strict):
     lifetime_stagger: SecondsOrZero | None = None  # spread of the retirements (default 5% of the walltime)
     death_timeout: Seconds = 60  # a worker that cannot reach the scheduler this long exits, ending its job
     driver: Literal["job", "login"] = "job"  # where `submit` runs the driver (`hpc-garage run`)
-    driver_cores: int = Field(1, gt=0)
-    driver_memory: Bytes = 2 * 2**30
+    driver_cores: int = Field(1, gt=0)  # cores of the driver job
+    driver_memory: Bytes = 2 * 2**30  # memory of the driver job
     driver_directives: list[str] = Field(default_factory=list)  # extra #SBATCH/#PBS lines of the driver job
     untagged: bool | None = None  # written per pool as `untagged:`: may tasks without resource tags run here?
 
@@ -141,8 +141,8 @@ class JobqueueSettings(_Strict):
 class Pool(_Strict):
     """One pool of a heterogeneous jobqueue site: what differs from the site (mappings merge key by key)."""
 
-    description: str = ""
-    queue: str | None = None
+    description: str = ""  # shown by `hpc-garage sites`
+    queue: str | None = None  # partition (SLURM) or queue (PBS) of this pool
     account: str | None = None
     qos: str | None = None
     walltime: Any = None
@@ -159,31 +159,31 @@ class Pool(_Strict):
 class Site(_Strict):
     """One partition of one cluster, as hpc-garage sees it."""
 
-    name: str = Field(pattern=NAME_PATTERN)
-    description: str = ""
-    scheduler: Literal["slurm", "pbs", "local"]
-    launcher: Literal["mpi", "jobqueue"] = "mpi"
-    queue: str | None = None
-    account: str | None = None
-    qos: str | None = None
-    walltime: Seconds = 3600
-    node: NodeShape
-    workers: WorkerLayout = WorkerLayout()
-    limits: Limits = Limits()
-    interface: str | None = None
-    local_directory: str | None = None
-    run_directory: str = "~/.hpc-garage/runs"
+    name: str = Field(pattern=NAME_PATTERN)  # default: the file name without .yaml
+    description: str = ""  # shown by `hpc-garage sites`
+    scheduler: Literal["slurm", "pbs", "local"]  # the batch system
+    launcher: Literal["mpi", "jobqueue"] = "mpi"  # mpi: workers inside one allocation; jobqueue: elastic worker jobs
+    queue: str | None = None  # partition (SLURM) or queue (PBS)
+    account: str | None = None  # --account / -A
+    qos: str | None = None  # --qos (SLURM) or -l qos (PBS)
+    walltime: Seconds = 3600  # default request (`--time` overrides)
+    node: NodeShape  # what ONE node has
+    workers: WorkerLayout = WorkerLayout()  # how a node is cut into Dask workers
+    limits: Limits = Limits()  # what the centre allows
+    interface: str | None = None  # network interface the scheduler and workers listen on (e.g. ib0)
+    local_directory: str | None = None  # worker scratch; variables expand on each node ($TMPDIR)
+    run_directory: str = "~/.hpc-garage/runs"  # run directories, one per job (private)
     results_directory: str | None = None  # sweeps' persisted results, on storage every node shares; default <run_directory>/sweeps
     requeue: Literal["auto", "never"] = "never"  # auto: a sweep cut short by walltime or a warning signal continues in a follow-up job
     walltime_margin: Seconds | None = None  # wind down this long before the job's end ("10min", "0:30"; a bare number is minutes, as walltime); default 5 % of its limit, 30 s to 10 min
     warning_signal: str | None = Field(None, pattern=r"^(USR1|USR2|URG|TERM)@[1-9][0-9]{0,5}$")  # SLURM: ask for SIG@SECONDS before the end
-    setup: list[str] = Field(default_factory=list)
-    directives: list[str] = Field(default_factory=list)
+    setup: list[str] = Field(default_factory=list)  # shell lines at the top of the job script (module load, activate)
+    directives: list[str] = Field(default_factory=list)  # extra #SBATCH / #PBS options, e.g. --constraint=a100
     env: dict[str, str] = Field(default_factory=dict)  # exported to the rank launcher and every worker
     python: str | None = None  # interpreter inside jobs; default: the one that runs hpc-garage submit
     mpi: MpiSettings = MpiSettings()
     jobqueue: JobqueueSettings = JobqueueSettings()  # launcher: jobqueue only
-    pools: dict[Annotated[str, Field(pattern=NAME_PATTERN)], Pool] = Field(default_factory=dict)
+    pools: dict[Annotated[str, Field(pattern=NAME_PATTERN)], Pool] = Field(default_factory=dict)  # jobqueue: named pools, each overriding the site
     path: Path | None = Field(None, exclude=True)  # where the file was found; not a YAML key
     _raw: dict[str, Any] = PrivateAttr(default_factory=dict)  # the keys as written: pools merge onto these
     _pool_sites: dict[str, Site] = PrivateAttr(default_factory=dict)

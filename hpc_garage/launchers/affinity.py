@@ -15,7 +15,7 @@ from typing import Any
 from distributed import Worker
 
 from hpc_garage.core.gpus import parse_cpulist
-from hpc_garage.core.layout import CPUS_ENV
+from hpc_garage.variables import CPUS_ENV
 
 
 def bind_self(env: Mapping[str, str] | None = None) -> frozenset[int] | None:

@@ -4,15 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
+import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
+from hpc_garage import log
 from hpc_garage.core.errors import UserError
 from hpc_garage.variables import WORKER_PRELOAD, modules
 from hpc_garage.core.layout import WorkerSpec
+
+if TYPE_CHECKING:
+    from hpc_garage.rundir import RunDir
+
+logger = logging.getLogger(__name__)
 
 
 def worker_options(spec: WorkerSpec, *, env: dict[str, str] | None = None, **extra: Any) -> dict[str, Any]:
@@ -70,20 +77,22 @@ def _names(names: list[str]) -> str:
     return ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
 
 
-PRELOAD_ENV = WORKER_PRELOAD
-PREFECT_PRELOAD = ("hpc_garage.prefect.worker",)  # Prefect's task path and its one-time set-up
-# What the scheduler needs to unpickle a flow script's Prefect tasks (it does, for every task it is sent).
-PREFECT_SCHEDULER_PRELOAD = ("prefect.flows", "hpc_garage.prefect.task_runner")
+@dataclass(frozen=True)
+class Preload:
+    """What a cluster's processes import before their first task: each host's worker forkserver, and the
+    scheduler's process while the workers start. Named by the layer that knows what the tasks need (the CLI
+    passes Prefect's, prefect/preload.py); `run` gives the workers theirs in $HPC_GARAGE_WORKER_PRELOAD."""
+
+    workers: tuple[str, ...] = ("distributed",)
+    scheduler: tuple[str, ...] = ()
 
 
 def worker_preload(env: Mapping[str, str]) -> list[str]:
-    """Modules every worker process starts with: $HPC_GARAGE_WORKER_PRELOAD (comma-separated), else
-    distributed and, where Prefect is installed, its task path (else each worker imports Prefect, ~2 s of
-    CPU, when its first task arrives)."""
-    if (given := modules(env, PRELOAD_ENV)) is not None:
+    """Modules every worker process starts with: $HPC_GARAGE_WORKER_PRELOAD (comma-separated; `run` sets it
+    in the workers' environment), else distributed alone."""
+    if (given := modules(env, WORKER_PRELOAD)) is not None:
         return given
-    with_prefect = importlib.util.find_spec("prefect") is not None
-    return ["distributed", *(PREFECT_PRELOAD if with_prefect else ())]
+    return list(Preload().workers)
 
 
 # What distributed's Nanny puts in a spawned worker's environment before Python starts there
@@ -103,13 +112,6 @@ def forkserver_env(worker_env: Mapping[str, str], workers: Iterable[WorkerSpec])
             caps[var] = str(min(values))
     pre = {k: v for k, v in PRE_SPAWN_ENV.items() if os.environ.get(k, "0") == "0"}  # the user's own win
     return {**pre, **worker_env, **caps}
-
-
-def scheduler_preload(env: Mapping[str, str]) -> list[str]:
-    """What the scheduler's process imports while the workers start: Prefect's task modules where Prefect
-    is installed and the workers preload it (unset or default $HPC_GARAGE_WORKER_PRELOAD)."""
-    wanted = worker_preload(env)
-    return [m for m in PREFECT_SCHEDULER_PRELOAD if "hpc_garage.prefect.worker" in wanted]
 
 
 def start_worker_forkserver(env: Mapping[str, str], preload: list[str]) -> None:
@@ -150,13 +152,13 @@ class Launcher:
     nodes_watched = False  # hosts a fixed allocation's nodes, whose loss `run` watches for (cluster/node_loss.py)
     per_node = False  # each node has a process of its own: `lost_nodes()` tells each loss as it happens
 
-    async def prepare(self, tls: dict[str, str] | None, worker_env: dict[str, str], rundir: Any,
+    async def prepare(self, tls: dict[str, str] | None, worker_env: dict[str, str], rundir: RunDir,
                       timeout: float) -> None:
         """Before the scheduler exists: start whatever can start early (ranks that will wait for the
         scheduler's address, a worker forkserver), so that it overlaps the scheduler's own start."""
 
     async def start(self, address: str, tls: dict[str, str] | None, worker_env: dict[str, str],
-                    rundir: Any) -> None:
+                    rundir: RunDir) -> None:
         raise NotImplementedError
 
     def failure(self) -> str | None:
@@ -241,13 +243,15 @@ async def end_process(proc: asyncio.subprocess.Process, steps: Iterable[tuple[in
 
 
 def run_entry(main: Callable[[], int]) -> None:
-    """`python -m` entry of a process a launcher starts: a user error is one line on stderr and exit 2."""
+    """`python -m` entry of a process a launcher starts (a node, a rank, a worker job): its `hpc-garage: ...`
+    lines go to its stderr, the job log (hpc_garage/log.py); a user error is one line there and exit 2."""
     import sys
 
+    log.setup()
     try:
         sys.exit(main())
     except UserError as exc:
-        print(f"hpc-garage: error: {exc}", file=sys.stderr)
+        logger.error(str(exc))
         sys.exit(2)
 
 

@@ -34,6 +34,7 @@ import asyncio
 import collections
 import contextlib
 import json
+import logging
 import os
 import re
 import shlex
@@ -50,13 +51,13 @@ from hpc_garage.core.layout import Layout, WorkerSpec
 from hpc_garage.launchers.common import (Launcher, end_process, forkserver_env, local_directory, node_gpus, run_entry,
                                         start_worker_forkserver, worker_options, worker_preload)
 from hpc_garage.launchers.mpi import node_index, node_workers, write_rank_file
+from hpc_garage.rundir import RunDir
 from hpc_garage.schedulers import get, local_rank, node_name, node_rank
 
 # Where MPI implementations put a rank's place among the ranks of its node, and in the whole job, before
 # MPI_Init. Read before srun's own variables: under an mpirun that SLURM started, those are its daemon's.
 LOCAL_RANK_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_RANK", "PALS_LOCAL_RANKID", "MPI_LOCALRANKID", "PMI_LOCAL_RANK")
 WORLD_RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "PALS_RANKID")
-RECORDS = "dask-mpi-ranks"  # in the run directory: started/<node>-<local>.json, failed/<node>-<local>.json
 # The launcher's own words about a rank that ended: srun's and mpiexec's (OpenMPI, Hydra) error lines
 LAUNCHER_ERROR = re.compile(r"^srun: error: .*task|rank \d+.* (exited|killed|terminated)|BAD TERMINATION|"
                             r"^mpiexec.*(noticed|terminated)|^\[proxy.*(exit|kill)", re.IGNORECASE)
@@ -64,6 +65,8 @@ LAUNCHER_ERROR = re.compile(r"^srun: error: .*task|rank \d+.* (exited|killed|ter
 # `tasks 4-7: Terminated`), OpenMPI's `process rank 3 with PID 0 on node node1 exited on signal 9 (Killed)`
 SRUN_TASKS = re.compile(r"^srun: error: (?P<node>[^:\s]+): tasks? (?P<first>\d+)(?:-(?P<last>\d+))?: (?P<what>.+)$")
 OPENMPI_RANK = re.compile(r"process rank (?P<first>\d+) with PID \d+ on node (?P<node>\S+) (?P<what>exited .+?)\.?$")
+
+logger = logging.getLogger(__spec__.name)  # not __name__: a rank runs this module as __main__
 
 
 # ------------------------------------------------------------------------------------- a rank, before MPI
@@ -179,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     path = Path(argv[0])
     data: dict[str, Any] = json.loads(path.read_text())
-    records = Records(path.parent / RECORDS)
+    records = Records(RunDir(path.parent).rank_records)  # the rank file is in the run directory
     workers = [WorkerSpec.from_dict(w) for w in data["workers"]]
     per_node = max(collections.Counter(w.node for w in workers).values())
     world = world_rank(os.environ)
@@ -245,20 +248,20 @@ class DaskMpiLauncher(Launcher):
         return dask_mpi_ranks(self.layout, [python, "-m", "hpc_garage.launchers.dask_mpi", str(ranks_file)],
                               in_slurm=in_slurm, nodefile=nodefile)
 
-    async def prepare(self, tls: dict[str, str] | None, worker_env: dict[str, str], rundir: Any,
+    async def prepare(self, tls: dict[str, str] | None, worker_env: dict[str, str], rundir: RunDir,
                       timeout: float) -> None:
         """Start the ranks now; dask-mpi's Nannies wait for the scheduler file while the scheduler starts."""
-        ranks_file = rundir.path / "ranks.json"
+        ranks_file = rundir.ranks_file
         write_rank_file(ranks_file, self.layout, scheduler_file=rundir.dask_scheduler_file, tls=tls,
-                        worker_env=worker_env, timeout=timeout, preload=worker_preload(self.env))
-        self.records = Records(rundir.path / RECORDS)
+                        worker_env=worker_env, timeout=timeout, preload=worker_preload(worker_env))
+        self.records = Records(rundir.rank_records)
         shutil.rmtree(self.records.root, ignore_errors=True)  # a rerun of the same job id starts clean
         self.records.create()
         self.argv = self.rank_argv(ranks_file)
         env = {**self.env, **self.layout.site.env}
         if self.argv[0] != "srun" and self.layout.site.mpi.flavor == "openmpi" and os.geteuid() == 0:
             env |= {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}  # OpenMPI refuses root
-        print(f"hpc-garage: starting dask-mpi ranks: {shlex.join(self.argv)}", file=sys.stderr, flush=True)
+        logger.info(f"starting dask-mpi ranks: {shlex.join(self.argv)}")
         self.timeout, self.deadline = timeout, time.monotonic() + timeout
         try:
             self.proc = await asyncio.create_subprocess_exec(*self.argv, env=env, start_new_session=True,
@@ -287,7 +290,7 @@ class DaskMpiLauncher(Launcher):
                     self.said.append(text)
 
     async def start(self, address: str, tls: dict[str, str] | None, worker_env: dict[str, str],
-                    rundir: Any) -> None:
+                    rundir: RunDir) -> None:
         """Nothing left to do: the ranks read the scheduler's address from Dask's scheduler file."""
 
     def failure(self) -> str | None:

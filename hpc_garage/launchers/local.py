@@ -13,7 +13,7 @@ import asyncio
 import os
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpc_garage.core.allocation import Allocation
 from hpc_garage.core.gpus import HIDDEN, PRIMARY, VARIABLES, worker_env
@@ -22,6 +22,9 @@ from hpc_garage.launchers.common import (Launcher, forkserver_env, local_directo
                                         start_worker_forkserver, worker_options, worker_preload)
 from hpc_garage.core.layout import Layout, WorkerSpec, layout
 from hpc_garage.core.site import Site
+
+if TYPE_CHECKING:
+    from hpc_garage.rundir import RunDir
 
 
 def machine_gpus(vendor: str = "nvidia") -> list[str]:
@@ -98,12 +101,12 @@ class LocalLauncher(Launcher):
         self.layout = layout_
         self.nannies: list[Any] = []
 
-    async def prepare(self, tls: dict[str, str] | None, worker_env: dict[str, str], rundir: Any,
+    async def prepare(self, tls: dict[str, str] | None, worker_env: dict[str, str], rundir: RunDir,
                       timeout: float) -> None:
-        start_worker_forkserver(forkserver_env(worker_env, self.layout.workers), worker_preload(os.environ))
+        start_worker_forkserver(forkserver_env(worker_env, self.layout.workers), worker_preload(worker_env))
 
     async def start(self, address: str, tls: dict[str, str] | None, worker_env: dict[str, str],
-                    rundir: Any) -> None:
+                    rundir: RunDir) -> None:
         from distributed import Nanny
 
         specs = worker_specs(self.layout.workers, security=security_from(tls), env=worker_env,

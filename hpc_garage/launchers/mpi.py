@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import signal
 import shlex
@@ -32,16 +33,22 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpc_garage.core.errors import UserError
 from hpc_garage.launchers.common import (Launcher, end_process, forkserver_env, local_directory, node_gpus, run_entry,
                                         security_from, start_worker_forkserver, worker_options, worker_preload)
 from hpc_garage.core.gpus import vendor_of
-from hpc_garage.core.layout import CPUS_ENV, Layout, WorkerSpec, pin_gpus
+from hpc_garage.core.layout import Layout, WorkerSpec, pin_gpus
+from hpc_garage.variables import CPUS_ENV
 from hpc_garage.schedulers import get, node_name, node_rank
 
+if TYPE_CHECKING:
+    from hpc_garage.rundir import RunDir
+
 RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "PALS_RANKID")  # after the batch system's own
+
+logger = logging.getLogger(__spec__.name)  # not __name__: a node process runs this module as __main__
 
 
 @dataclass(frozen=True)
@@ -169,11 +176,11 @@ def node_workers(workers: list[WorkerSpec], node: int, gpus: list[str], gpu_vend
     vendor = vendor_of(gpu_vendor)
     bound, notes = bind_here([replace(w, env=e) for w, e in mine], node, vendor, os.environ if env is None else env)
     for note in notes:
-        print(f"hpc-garage: node {node}: {note}", file=sys.stderr, flush=True)
+        logger.info(f"node {node}: {note}")
     for w in bound:
         if w.cpus:
-            print(f"hpc-garage: worker {w.name}: cores {w.env[CPUS_ENV]}, OMP_NUM_THREADS {w.env['OMP_NUM_THREADS']}, "
-                  f"{w.nthreads} threads", file=sys.stderr, flush=True)
+            logger.info(f"worker {w.name}: cores {w.env[CPUS_ENV]}, OMP_NUM_THREADS {w.env['OMP_NUM_THREADS']}, "
+                        f"{w.nthreads} threads")
     return [(w, w.env) for w in bound]
 
 
@@ -248,12 +255,12 @@ class MpiLauncher(Launcher):
         """Each node has a process of its own, so its loss is seen when that process exits."""
         return bool(self.launches) and all(len(launch.nodes) == 1 for launch in self.launches)
 
-    async def prepare(self, tls: dict[str, str] | None, worker_env: dict[str, str], rundir: Any,
+    async def prepare(self, tls: dict[str, str] | None, worker_env: dict[str, str], rundir: RunDir,
                       timeout: float) -> None:
         """Start the node processes now; they wait for the scheduler's address while it starts."""
-        ranks_file = rundir.path / "ranks.json"
+        ranks_file = rundir.ranks_file
         write_rank_file(ranks_file, self.layout, scheduler_file=rundir.dask_scheduler_file, tls=tls,
-                        worker_env=worker_env, timeout=timeout, preload=worker_preload(self.env))
+                        worker_env=worker_env, timeout=timeout, preload=worker_preload(worker_env))
         nodefile = get(self.layout.allocation.source).nodefile(self.env) if self.layout.allocation.source == "pbs" \
             else None
         python = self.layout.site.python or sys.executable
@@ -264,7 +271,7 @@ class MpiLauncher(Launcher):
             self.procs.append(await self._start(launch))
 
     async def _start(self, launch: RankLaunch) -> asyncio.subprocess.Process:
-        print(f"hpc-garage: starting ranks: {shlex.join(launch.argv)}", file=sys.stderr, flush=True)
+        logger.info(f"starting ranks: {shlex.join(launch.argv)}")
         env = {**self.env, **self.layout.site.env, **launch.env}
         try:
             return await asyncio.create_subprocess_exec(*launch.argv, env=env, start_new_session=True)
@@ -272,7 +279,7 @@ class MpiLauncher(Launcher):
             raise UserError(f"{launch.argv[0]}: not found; install MPI or set the site's mpi.launch") from None
 
     async def start(self, address: str, tls: dict[str, str] | None, worker_env: dict[str, str],
-                    rundir: Any) -> None:
+                    rundir: RunDir) -> None:
         """Nothing left to do: the node processes read the address the scheduler wrote."""
 
     def failure(self) -> str | None:

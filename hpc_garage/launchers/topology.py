@@ -33,8 +33,8 @@ from pathlib import Path
 
 from hpc_garage.core import gpus
 from hpc_garage.core.layout import Layout, WorkerSpec, bind_node
+from hpc_garage.variables import SYSFS_ROOT_ENV
 
-SYSFS_ROOT_ENV = "HPC_GARAGE_SYSFS_ROOT"
 PCI_VENDORS = {"nvidia": "0x10de", "amd": "0x1002", "intel": "0x8086"}
 DRIVERS = {"nvidia": ("nvidia",), "amd": ("amdgpu",), "intel": ("i915", "xe")}
 

@@ -29,7 +29,7 @@ every task and emitting every state event, log and result as under prefect-dask:
 
 It relies on Prefect internals (`serialize_context`'s parts and the private deployment context variables,
 `hydrated_context` skipping an empty `settings_context` and taking its client from `SyncClientContext`,
-the contexts' `__var__`). `problem()` checks them and the version (written against 3.8.8), the first task
+the contexts' `__var__`). `problem()` checks them and the version (compat.VERIFIED: 3.8 and 3.9), the first task
 checks the composed context; where either differs HpcTaskRunner uses prefect-dask's own path, with a
 warning. HPC_GARAGE_PREFECT_FAST=0 forces that path.
 """
@@ -41,6 +41,7 @@ import atexit
 import hashlib
 import inspect
 import json
+import logging
 import os
 import threading
 import uuid
@@ -52,32 +53,29 @@ import prefect
 import prefect.context
 from prefect.context import SettingsContext, SyncClientContext, serialize_context
 
-from hpc_garage.compat import (context_var, deployment_context, has_context_vars, has_deployment_context,
-                               stretch_no_tag_limits_cache, tag_limits_survive_outages)
+from hpc_garage.compat import (VERIFIED, context_var, deployment_context, has_context_vars, has_deployment_context,
+                               in_range, stretch_no_tag_limits_cache, tag_limits_survive_outages)
+from hpc_garage import log
 from hpc_garage.variables import PREFECT_FAST, switch
 
 __all__ = ["SettingsPayload", "Submitter", "TaskCall", "await_recorded", "problem", "run_task", "worker_stats"]
 
 DISABLE_ENV = PREFECT_FAST
-TESTED_PREFECT = "3.8.8"
-PREFECT_RANGE = ((3, 4), (3, 10))  # [low, high): Prefect 3 releases whose internals these hooks match
 TAG_LIMITS_TTL = 60.0  # s a worker trusts "these tags have no concurrency limits" (Prefect's own: 5 s)
 NOT_READY = "NotReady"  # the Pending state Prefect's engine leaves a task in when an upstream did not complete
 CONTEXT_KEYS = frozenset({"flow_run_context", "task_run_context", "tags_context", "settings_context",
                           "asset_context", "deployment_id", "deployment_parameters"})
+
+logger = logging.getLogger(__name__)  # a worker's stderr (the job log): tag limits kept through an API outage
 
 
 def problem() -> str | None:
     """Why the fast path cannot be used with this Prefect, or None. Cheap; checked once per runner."""
     if not switch(os.environ, DISABLE_ENV, True):  # a value that is neither on nor off is refused in one line
         return f"{DISABLE_ENV}={os.environ[DISABLE_ENV]}"
-    try:
-        version = tuple(int(x) for x in prefect.__version__.split(".")[:2])
-    except ValueError:
-        return f"prefect {prefect.__version__}: unrecognised version"
-    low, high = PREFECT_RANGE
-    if not low <= version < high:
-        return f"prefect {prefect.__version__} is outside {low[0]}.{low[1]}–<{high[0]}.{high[1]} (tested: {TESTED_PREFECT})"
+    if not in_range("prefect", prefect.__version__):  # the releases these hooks were verified on (compat.VERIFIED)
+        low, high = VERIFIED["prefect"]
+        return f"prefect {prefect.__version__} is outside the verified range >={low},<{high}"
     from prefect.context import hydrated_context
 
     if not has_context_vars(SettingsContext, SyncClientContext):
@@ -187,9 +185,20 @@ class Submitter:
             return None
         if current is not self._settings_key:
             data = current.serialize()
-            digest = hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
+            digest = hashlib.sha256(json.dumps(_named_keys(data), sort_keys=True, default=str).encode()).hexdigest()
             self._settings_key, self._payload = current, SettingsPayload(digest, data)
         return self._payload
+
+
+def _named_keys(value: Any) -> Any:
+    """`value` with every mapping key a string, for its hash: Prefect 3.8.0 serializes an active profile's
+    settings keyed by `Setting` objects (later 3.8 releases by their names), which json can neither sort nor
+    write. The payload itself keeps Prefect's own keys: it travels pickled."""
+    if isinstance(value, dict):
+        return {str(getattr(k, "name", k)): _named_keys(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_named_keys(v) for v in value]
+    return value
 
 
 def is_plain(value: Any) -> bool:
@@ -303,10 +312,11 @@ def trust_no_tag_limits_longer(ttl: float = TAG_LIMITS_TTL) -> bool:
     """Stretch Prefect's per-process "no tag concurrency limits" cache (see the module docstring), and keep
     its last answer while the API does not answer (prefect/outage.py); False where this Prefect has no such
     cache, which leaves its behaviour as it is."""
-    from hpc_garage.prefect.outage import api_answers, bypassed, is_outage_error, say
+    from hpc_garage.prefect.outage import api_answers, bypassed, is_outage_error
 
     _tuned.append(True)
-    tag_limits_survive_outages(is_outage_error, api_answers, say, bypassed)
+    log.setup()  # once per worker process, at its first task: its lines reach the job log
+    tag_limits_survive_outages(is_outage_error, api_answers, logger.info, bypassed)
     return stretch_no_tag_limits_cache(ttl)
 
 

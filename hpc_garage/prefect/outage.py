@@ -32,9 +32,9 @@ Outside `hpc-garage run` (no run directory) the queued records are dropped, as b
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
-import sys
 import threading
 import time
 from pathlib import Path
@@ -42,20 +42,15 @@ from typing import Any
 
 import httpx
 
-from hpc_garage.cluster.handoff import JOB_ID_ENV, RUN_DIR_ENV, UNRECORDED_DIR, UNRECORDED_FILE
-from hpc_garage.files import append_private
-from hpc_garage.variables import PREFECT_SERVER_ENV
+from hpc_garage.files import append_private, read_json, write_json
+from hpc_garage.prefect_api import PrefectApi, auth_headers
+from hpc_garage.rundir import RunDir
+from hpc_garage.variables import BENCH_BYPASS_ENV, JOB_ID_ENV, PREFECT_SERVER_ENV, RUN_DIR_ENV
 
-__all__ = ["ApiOutage", "KEPT_DIR", "SUMMARY_FILE", "api_answers", "api_down", "install", "is_outage_error",
+__all__ = ["ApiOutage", "api_answers", "api_down", "install", "is_outage_error",
            "outage"]
 
-KEPT_DIR = UNRECORDED_DIR  # in the run directory: what the API did not get, one file per process and kind
-SUMMARY_FILE = UNRECORDED_FILE  # in the run directory: the counts, the ids, the API it was meant for (and
-# prefect_server: which hpc-garage-managed server that API was, where it was one)
-FLOW_STATES_FILE = "flow-runs.json"  # in KEPT_DIR: each flow run's last state kept here, not recorded there
-
 PROBE_TIMEOUT = 3.0  # s a /health probe may take before the API counts as not answering
-BENCH_BYPASS_ENV = "HPC_GARAGE_BENCH_BYPASS_OUTAGE_HOOKS"  # bench/fault_cost.py only: "1" prices these hooks
 
 
 def bypassed() -> bool:
@@ -63,9 +58,7 @@ def bypassed() -> bool:
     if not installed. Read per call, so the bench flips it between interleaved flows on the same workers."""
     return os.environ.get(BENCH_BYPASS_ENV) == "1"
 
-
-def say(message: str) -> None:
-    print(f"hpc-garage: {message}", file=sys.stderr, flush=True)
+logger = logging.getLogger(__name__)  # the flow's stderr (the job log): what the API did not get, and where it is
 
 
 def is_outage_error(exc: BaseException) -> bool:
@@ -79,25 +72,22 @@ def is_outage_error(exc: BaseException) -> bool:
 
 def api_answers(timeout: float = PROBE_TIMEOUT) -> bool:
     """Whether Prefect's API answers at all now, with no retries: a connection error or timeout does not."""
+    import certifi
     from prefect.settings import get_current_settings
 
     api = get_current_settings().api
     if not api.url:
         return True  # no API configured: Prefect's own temporary server; nothing to guard
-    headers = {}
-    if api.auth_string is not None and api.auth_string.get_secret_value():
-        import base64
-
-        headers["Authorization"] = "Basic " + base64.b64encode(api.auth_string.get_secret_value().encode()).decode()
-    elif api.key is not None and api.key.get_secret_value():
-        headers["Authorization"] = f"Bearer {api.key.get_secret_value()}"
+    given = {name: secret.get_secret_value() for name, secret in (("PREFECT_API_AUTH_STRING", api.auth_string),
+                                                                  ("PREFECT_API_KEY", api.key)) if secret is not None}
+    verify = False if api.tls_insecure_skip_verify else api.ssl_cert_file or certifi.where()  # as Prefect's client
     try:
-        response = httpx.get(f"{str(api.url).rstrip('/')}/health", timeout=timeout, headers=headers,
-                             verify=api.tls_insecure_skip_verify is False)
-    except httpx.HTTPError:
+        status = PrefectApi(str(api.url), headers=auth_headers(given), timeout=timeout,
+                            verify=verify).answer("GET", "/health").status
+    except (OSError, ValueError):
         return False
-    return response.status_code != 502  # a busy server's 503 is an answer (Prefect's client retries it); a
-    # proxy's 502 says the API behind it is gone
+    return status != 502  # a busy server's 503 is an answer (Prefect's client retries it); a proxy's 502 says the
+    # API behind it is gone
 
 
 class ApiOutage:
@@ -136,8 +126,8 @@ class ApiOutage:
     def keep(self, state: Any, flow_run_id: Any) -> Any:
         """The state the flow engine proposed, accepted here because the API does not answer."""
         self.kept_states.append(str(state.type.value))
-        say(f"flow run {flow_run_id} is {state.type.value} here; Prefect's API does not answer, so that "
-            "state is not recorded there")
+        logger.info(f"flow run {flow_run_id} is {state.type.value} here; Prefect's API does not answer, so that "
+                    "state is not recorded there")
         _note_unrecorded({"flow_run_id": str(flow_run_id), "flow_run_state": state.type.value})
         _keep_flow_state(str(flow_run_id), state)
         return state
@@ -202,13 +192,13 @@ def install() -> None:
 
 
 _exit_hooked: list[bool] = []
-_kept_in: list[Path] = []  # where this process keeps what the API did not get (set by keep_unsent)
+_kept_in: list[RunDir] = []  # where this process keeps what the API did not get (set by keep_unsent)
 _kept_event_ids: set[str] = set()  # events this process kept already: the unconfirmed ones are seen twice
 
 
 def keep_unsent(run_dir: str | None = None) -> tuple[int, int, bool]:
     """The API is gone: take the events and log lines this process still queues for it (each would be retried
-    against it at exit, holding the process) and keep them in `run_dir`'s KEPT_DIR for replay (workers are
+    against it at exit, holding the process) and keep them in `run_dir`'s unrecorded/ for replay (workers are
     given the flow's run directory: their environment need not name it); (events, log lines, kept: False
     where there is no run directory, and they were dropped)."""
     from hpc_garage.compat import before_exit_drains
@@ -224,12 +214,13 @@ def keep_unsent(run_dir: str | None = None) -> tuple[int, int, bool]:
     return events, logs, bool(_kept_in)
 
 
-def _kept_dir(run_dir: str | None) -> Path | None:
+def _kept_dir(run_dir: str | None) -> RunDir | None:
+    """The run directory whose unrecorded/ (made here) keeps what the API did not get; None outside `run`."""
     if not run_dir or not os.path.isdir(run_dir):
         return None
-    where = Path(run_dir) / KEPT_DIR
-    where.mkdir(mode=0o700, exist_ok=True)
-    return where
+    rundir = RunDir(Path(run_dir))
+    rundir.unrecorded_dir.mkdir(mode=0o700, exist_ok=True)
+    return rundir
 
 
 def _keep_queued() -> tuple[int, int]:
@@ -238,16 +229,16 @@ def _keep_queued() -> tuple[int, int]:
     from prefect.events.worker import EventsWorker
     from prefect.logging.handlers import APILogWorker
 
-    from hpc_garage.compat import take_queued, unconfirmed_events
+    from hpc_garage.compat import queued_log, take_queued, unconfirmed_events
 
     events = [_with_flow_run(event, context) for event, context in take_queued(EventsWorker)]
     events += unconfirmed_events(EventsWorker)
     events = [e for e in {str(e.id): e for e in events}.values() if str(e.id) not in _kept_event_ids]
-    logs = [{k: v for k, v in item.items() if k != "__payload_size__"} for item, _ in take_queued(APILogWorker)]
+    logs = [line for item, _ in take_queued(APILogWorker) if (line := queued_log(item)) is not None]
     if _kept_in:
         process = f"{socket.gethostname()}-{os.getpid()}"
-        append_private(_kept_in[0] / f"events-{process}.jsonl", [e.model_dump_json() for e in events])
-        append_private(_kept_in[0] / f"logs-{process}.jsonl", [json.dumps(line, default=str) for line in logs])
+        append_private(_kept_in[0].kept_file("events", process), [e.model_dump_json() for e in events])
+        append_private(_kept_in[0].kept_file("logs", process), [json.dumps(line, default=str) for line in logs])
         _kept_event_ids.update(str(e.id) for e in events)
     return len(events), len(logs)
 
@@ -277,33 +268,26 @@ def _with_flow_run(event: Any, context: Any) -> Any:
 
 def _keep_flow_state(flow_run_id: str, state: Any) -> None:
     """The flow run's kept state, for replay: the last one kept stands (the final one)."""
-    where = _kept_dir(os.environ.get(RUN_DIR_ENV))
-    if where is None:
+    rundir = _kept_dir(os.environ.get(RUN_DIR_ENV))
+    if rundir is None:
         return
-    from hpc_garage.files import write_private
-
-    path = where / FLOW_STATES_FILE
-    try:
-        states = json.loads(path.read_text()) if path.is_file() else {}
-    except (OSError, ValueError):
-        states = {}
+    path = rundir.kept_flow_states_file
+    states = read_json(path) or {}
     states[flow_run_id] = {"type": state.type.value, "name": state.name, "message": state.message,
                            "timestamp": state.timestamp.isoformat() if state.timestamp else None}
-    write_private(path, json.dumps(states, indent=1))
+    write_json(path, states, indent=1)
 
 
 def _stop_logging_to_api() -> None:
     """Take Prefect's API log handlers off its loggers: the flow's last lines ("Finished in state ...") would go
     out in a batch that Prefect's client retries against the dead API for a minute (2+4+8+16+32 s), and the
     process waits for it at exit (measured: 78 s, py-spy: APILogWorker.drain). Console output is unchanged."""
-    import logging
-
     from prefect.logging.handlers import APILogHandler
 
-    for logger in [logging.getLogger(), *(logging.getLogger(n) for n in list(logging.root.manager.loggerDict))]:
-        for handler in list(getattr(logger, "handlers", [])):
+    for each in [logging.getLogger(), *(logging.getLogger(n) for n in list(logging.root.manager.loggerDict))]:
+        for handler in list(getattr(each, "handlers", [])):
             if isinstance(handler, APILogHandler):
-                logger.removeHandler(handler)
+                each.removeHandler(handler)
 
 
 def _keep_at_exit() -> None:
@@ -334,26 +318,21 @@ def report_at_flow_end(finished_task_runs: list[Any], results: str | None, dask_
                               "events_kept": events, "log_lines_kept": logs, "job_id": os.environ.get(JOB_ID_ENV)})
     kept = all(c[2] for c in counts) and where is not None
     results_at = f"; results are on disk in {results}" if results else ""
-    how = (f"were kept for replay in {where.parent / KEPT_DIR} (`hpc-garage replay "
+    how = (f"were kept for replay in {RunDir(where.parent).unrecorded_dir} (`hpc-garage replay "
            f"{os.environ.get(JOB_ID_ENV) or where.parent.name}` sends them once the API is back)") if kept \
         else "were dropped (no run directory to keep them in: not under `hpc-garage run`)"
-    say(f"Prefect's API does not answer: {len(finished_task_runs)} finished task runs may be missing from it, "
-        f"and {events} events and {logs} log lines queued for it {how}{results_at}")
+    logger.info(f"Prefect's API does not answer: {len(finished_task_runs)} finished task runs may be missing from "
+                f"it, and {events} events and {logs} log lines queued for it {how}{results_at}")
 
 
 def _note_unrecorded(entry: dict[str, Any]) -> Path | None:
     """Add to the run directory's `unrecorded.json` (under `hpc-garage run`), where a user finds what the API
     lacks; None elsewhere."""
-    run_dir = os.environ.get(RUN_DIR_ENV)
-    if not run_dir or not os.path.isdir(run_dir):
+    rundir = RunDir.of_this_run()
+    if rundir is None or not rundir.path.is_dir():
         return None
-    from hpc_garage.files import write_private
-
-    path = Path(run_dir) / SUMMARY_FILE
-    try:
-        data = json.loads(path.read_text()) if path.is_file() else {}
-    except (OSError, ValueError):
-        data = {}
+    path = rundir.unrecorded_file  # the counts, the ids, the API it was meant for (and prefect_server: which
+    data = read_json(path) or {}  # hpc-garage-managed server that API was, where it was one)
     for key, value in entry.items():
         if value is None:
             continue
@@ -371,5 +350,5 @@ def _note_unrecorded(entry: dict[str, Any]) -> Path | None:
         except ValueError:
             pass
     data["updated"] = time.time()
-    write_private(path, json.dumps(data, indent=1))
+    write_json(path, data, indent=1)
     return path

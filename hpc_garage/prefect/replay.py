@@ -29,36 +29,37 @@ from pathlib import Path
 from typing import Any
 
 from hpc_garage.core.errors import UserError
+from hpc_garage.files import read_json, write_json
+from hpc_garage.rundir import RunDir
 
-__all__ = ["MARKS_FILE", "RECORD_WAIT", "replay"]
+__all__ = ["RECORD_WAIT", "replay"]
 
-MARKS_FILE = "replayed.json"  # in the kept directory: lines sent per file, flow runs set
 RECORD_WAIT = 60.0  # s to wait for the server's task-run recorder to write what the events say
 FINAL = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
+BROKEN = "it was written by the job's flow"  # a kept file that cannot be read: refused, naming it
 
 
 def replay(job_id: str, run_dir: Path | None) -> list[str]:
     """Send what job `job_id` kept in `run_dir` to the API it was meant for (`_api`); the lines to print. Refuses
     in one line (UserError) an unknown job, a job with nothing (left) to replay, an API that still does not
     answer."""
-    from hpc_garage.prefect.outage import KEPT_DIR, SUMMARY_FILE
-
     if run_dir is None or not run_dir.is_dir():
         raise UserError(f"job {job_id}: no run directory here; pass --site if the job's site keeps its runs "
                         "elsewhere")
-    kept = run_dir / KEPT_DIR
-    summary = _read_json(run_dir / SUMMARY_FILE)
+    rundir = RunDir(run_dir)
+    kept = rundir.unrecorded_dir
+    summary = read_json(rundir.unrecorded_file, broken=BROKEN) or {}
     if not kept.is_dir():
         raise UserError(f"job {job_id}: nothing to replay ({kept} does not exist: Prefect's API answered to the "
                         "end of its flow, or the flow kept nothing)")
-    marks = _read_json(kept / MARKS_FILE)
-    events, logs, states, sent = _pending(kept, marks)
+    marks = read_json(rundir.replayed_file, broken=BROKEN) or {}
+    events, logs, states, sent = _pending(rundir, marks)
     if not (events or logs or states):
         raise UserError(f"job {job_id}: nothing to replay: what {kept} holds was replayed already "
                         f"({_when(marks)})")
     api = _api(job_id, summary)
     if api is None:
-        raise UserError(f"job {job_id}: {run_dir / SUMMARY_FILE} names no Prefect API, and none is configured; "
+        raise UserError(f"job {job_id}: {rundir.unrecorded_file} names no Prefect API, and none is configured; "
                         "set PREFECT_API_URL to the API the job used and retry")
     from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
@@ -72,30 +73,28 @@ def replay(job_id: str, run_dir: Path | None) -> list[str]:
                             f"database) and retry `hpc-garage replay {job_id}`")
         import anyio
 
-        return anyio.run(_send, job_id, kept, marks, events, logs, states, sent,
+        return anyio.run(_send, job_id, rundir, marks, events, logs, states, sent,
                          [str(i) for i in summary.get("task_run_ids") or []], url)
 
 
-def _pending(kept: Path, marks: dict[str, Any]) -> tuple[list[Any], list[dict[str, Any]], dict[str, Any],
+def _pending(rundir: RunDir, marks: dict[str, Any]) -> tuple[list[Any], list[dict[str, Any]], dict[str, Any],
                                                           dict[str, int]]:
     """What was not replayed yet: (events, log lines, flow runs' states, each file's line count once sent)."""
-    from hpc_garage.prefect.outage import FLOW_STATES_FILE
-
     done: dict[str, int] = marks.get("files", {})
     events: list[Any] = []
     logs: list[dict[str, Any]] = []
     sent: dict[str, int] = {}
-    for path in sorted(kept.glob("*.jsonl")):
+    for kind, path in rundir.kept_files():
         lines = [line for line in path.read_text().splitlines() if line.strip()]
         new = lines[done.get(path.name, 0):]
         if not new:
             continue
         sent[path.name] = len(lines)
-        if path.name.startswith("events-"):
+        if kind == "events":
             events += new
-        elif path.name.startswith("logs-"):
+        elif kind == "logs":
             logs += [json.loads(line) for line in new]
-    flow_states = _read_json(kept / FLOW_STATES_FILE)
+    flow_states = read_json(rundir.kept_flow_states_file, broken=BROKEN) or {}
     states = {run: state for run, state in flow_states.items() if run not in marks.get("flow_runs", {})}
     if events:
         from prefect.events.schemas.events import Event
@@ -105,7 +104,7 @@ def _pending(kept: Path, marks: dict[str, Any]) -> tuple[list[Any], list[dict[st
     return events, logs, states, sent
 
 
-async def _send(job_id: str, kept: Path, marks: dict[str, Any], events: list[Any], logs: list[dict[str, Any]],
+async def _send(job_id: str, rundir: RunDir, marks: dict[str, Any], events: list[Any], logs: list[dict[str, Any]],
                 states: dict[str, Any], sent: dict[str, int], listed: list[str], url: str) -> list[str]:
     from prefect.client.orchestration import get_client
     from prefect.events.clients import get_events_client
@@ -118,11 +117,11 @@ async def _send(job_id: str, kept: Path, marks: dict[str, Any], events: list[Any
     async with get_client() as client:
         for start in range(0, len(logs), 200):
             await client.create_logs(logs[start:start + 200])
-        _mark(kept, marks, files=sent)  # the events and logs went out; the flow runs are marked one by one
+        _mark(rundir, marks, files=sent)  # the events and logs went out; the flow runs are marked one by one
         lines.append(f"job {job_id}: sent {len(events)} events and {len(logs)} log lines to Prefect's API at {url}")
         for flow_run_id, kept_state in states.items():
             lines.append(await _set_flow_state(client, flow_run_id, kept_state))
-            _mark(kept, marks, flow_runs={flow_run_id: kept_state["type"]})
+            _mark(rundir, marks, flow_runs={flow_run_id: kept_state["type"]})
         finished = [e.resource.id.removeprefix("prefect.task-run.") for e in events
                     if e.event.startswith("prefect.task-run.") and e.resource.get("prefect.state-type") in FINAL]
         if listed or finished:
@@ -171,14 +170,12 @@ async def _recorded(client: Any, wanted: list[str]) -> set[str]:
         await anyio.sleep(1.0)
 
 
-def _mark(kept: Path, marks: dict[str, Any], *, files: dict[str, int] | None = None,
+def _mark(rundir: RunDir, marks: dict[str, Any], *, files: dict[str, int] | None = None,
           flow_runs: dict[str, str] | None = None) -> None:
-    from hpc_garage.files import write_private
-
     marks.setdefault("files", {}).update(files or {})
     marks.setdefault("flow_runs", {}).update(flow_runs or {})
     marks["replayed"] = time.time()
-    write_private(kept / MARKS_FILE, json.dumps(marks, indent=1))
+    write_json(rundir.replayed_file, marks, indent=1)
 
 
 def _api(job_id: str, summary: dict[str, Any]) -> dict[str, str] | None:
@@ -205,13 +202,3 @@ def _api(job_id: str, summary: dict[str, Any]) -> dict[str, str] | None:
 def _when(marks: dict[str, Any]) -> str:
     at = marks.get("replayed")
     return f"last at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(at))}" if at else "earlier"
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as exc:
-        raise UserError(f"{path} cannot be read ({exc}); it was written by the job's flow") from None
-    return data if isinstance(data, dict) else {}

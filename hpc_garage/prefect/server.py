@@ -12,7 +12,8 @@ State per (user, machine, bind address), in `~/.hpc-garage/prefect/<short hostna
   leases/<pid>        one per process that was handed the server (its start time guards against pid reuse)
   activity.json       the keeper's last look: when the server was last in use, its idle limit
 A bind address other than 127.0.0.1 gets its own subdirectory `bind-<host>/` (and its own server).
-Prefect itself is never imported here (≈2 s): the server is a subprocess, health checks use urllib.
+Prefect itself is never imported here (≈2 s): the server is a subprocess, health checks use hpc-garage's
+plain HTTP client (hpc_garage/prefect_api.py), which never sends them through a proxy.
 
 The server leaves when idle. The process we start is a keeper (`python -m hpc_garage.prefect.server keep`,
 this module): it starts `prefect server start` (and a PostgreSQL, see below) as its children and stops them
@@ -26,13 +27,23 @@ of the user's own (initdb into the state directory, a unix socket in a private d
 password), started and stopped with the server; a postgresql+asyncpg:// URL uses that database instead.
 PostgreSQL refuses to run as root: as root (containers, CI) it runs as the `postgres` system user (Debian's
 package creates it; else `nobody`), in /var/tmp/hpc-garage-postgres-<hash>/ owned by that user.
+
+The UI: served at the server's root (HPC_GARAGE_PREFECT_UI=0 leaves it off), so the "View at" link Prefect
+prints opens. Its pages are public files, but every call for data goes to the API, behind the auth string
+(the UI's login page asks for it, `hpc-garage server auth` prints it), and so do the event and log
+websockets (Prefect checks their in-band auth message since PrefectHQ/prefect#17741; seen on 3.8.8 and 3.9.1,
+tests/test_prefect_ui.py checks every route). The UI asks for the API at `/api` of the page it was loaded from, so it works through any `ssh -L`
+tunnel. Prefect copies its UI (15 MiB) into PREFECT_HOME/ui_build on a server's first start (0.2–0.4 s; the
+package's own directory may be read-only on a site); the server's memory is the same with or without it
+(`python -m bench --only ui`).
 """
 
 from __future__ import annotations
 
-import base64
 import json
+import logging
 import os
+import re
 import secrets
 import signal
 import socket
@@ -43,16 +54,17 @@ import sys
 import tempfile
 import time
 import tomllib
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from hpc_garage.core.errors import UserError
-from hpc_garage.files import locked, pid_alive, write_private
-from hpc_garage.variables import PREFECT_DATABASE, PREFECT_SERVER_ENV, PREFECT_SERVER_IDLE, seconds
+from hpc_garage.core.tunnel import ssh_tunnel
+from hpc_garage.log import setup as setup_messages
+from hpc_garage.files import locked, pid_alive, read_json, write_private
+from hpc_garage.prefect_api import PrefectApi, auth_headers, no_proxy_for
+from hpc_garage.variables import PREFECT_DATABASE, PREFECT_SERVER_ENV, PREFECT_SERVER_IDLE, PREFECT_UI, seconds, switch
 
 LOOPBACK = "127.0.0.1"
 QUIET = {"DO_NOT_TRACK": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
@@ -70,6 +82,8 @@ REUSE_PATIENCE = 10.0  # a busy server on a loaded login node is slow, not dead:
 IDLE_DEFAULT = 1800.0  # s unused before the server stops (HPC_GARAGE_PREFECT_SERVER_IDLE)
 ACTIVE_STATES = ("PENDING", "RUNNING", "CANCELLING", "PAUSED", "SCHEDULED")
 
+logger = logging.getLogger(__spec__.name)  # not __name__: the keeper runs this module as __main__ (server.log)
+
 _children: dict[int, subprocess.Popen[bytes]] = {}  # servers started by this process, to see early exits
 
 
@@ -83,13 +97,20 @@ class ServerState:
     started: float
     database: str = "sqlite"  # what `server status` says: sqlite, postgresql (managed) or the URL's host
     idle_timeout: float = IDLE_DEFAULT
+    ui: str = ""  # the UI's base URL (flow runs under its /runs/flow-run/<id>); "": started without it
 
     def client_env(self) -> dict[str, str]:
         """The API's address and auth, and which managed server it is: a flow that outlives it keeps that
         (prefect/outage.py), and `hpc-garage replay` then finds the one running now (`managed_api`)."""
         return {"PREFECT_API_URL": self.url, "PREFECT_API_AUTH_STRING": self.auth, **QUIET,
+                **({"PREFECT_UI_URL": self.ui} if self.ui else {}),  # Prefect's "View at" links
                 PREFECT_SERVER_ENV: json.dumps({"machine": machine_name(), "host": self.host,
                                                 "database": self.database})}
+
+    def api(self, timeout: float) -> PrefectApi:
+        """hpc-garage's client for this server's API (its address is ours: never through a proxy)."""
+        return PrefectApi(self.url, headers=auth_headers({"PREFECT_API_AUTH_STRING": self.auth}), timeout=timeout,
+                          own=True)
 
 
 def ensure_api(host: str = LOOPBACK, *, env: Mapping[str, str] | None = None,
@@ -100,8 +121,8 @@ def ensure_api(host: str = LOOPBACK, *, env: Mapping[str, str] | None = None,
     otherwise our server on `host` for this machine, reused if it answers, else started.
     """
     env = os.environ if env is None else env
-    if url := configured_api_url(env):
-        return {"PREFECT_API_URL": url}
+    if url := configured_api_url(env):  # its auth string and managed-server note travel with it (a deployment's job)
+        return {"PREFECT_API_URL": url, **{k: env[k] for k in ("PREFECT_API_AUTH_STRING", PREFECT_SERVER_ENV) if env.get(k)}}
     return ensure_server(host, timeout=timeout).client_env()
 
 
@@ -127,9 +148,13 @@ def ensure_server(host: str = LOOPBACK, *, timeout: float = START_TIMEOUT) -> Se
     """
     database = database_choice(os.environ)  # a bad setting is refused before anything starts
     idle = seconds(os.environ, PREFECT_SERVER_IDLE, IDLE_DEFAULT)
+    ui = switch(os.environ, PREFECT_UI, True)
     if database.kind == "postgresql":
         postgres_bin()
     directory = state_dir(host)
+    # this process, the keeper it may start, and their children reach the server straight, Prefect's own
+    # clients included, whatever http_proxy says (issue 23)
+    os.environ.update(no_proxy_for([_url_host(host)], os.environ))
     for pid, child in list(_children.items()):  # servers of ours stopped by someone else (`server stop`, idle)
         if child.poll() is not None:
             _children.pop(pid, None)
@@ -140,7 +165,7 @@ def ensure_server(host: str = LOOPBACK, *, timeout: float = START_TIMEOUT) -> Se
             return state
         if state is not None:
             _terminate(state)  # dead, hung, or answering to another auth string: replace it
-        state = _start(directory, host, timeout, idle, database)
+        state = _start(directory, host, timeout, idle, database, ui=ui)
         _lease(directory)
         return state
 
@@ -184,7 +209,7 @@ def server_status(host: str = LOOPBACK) -> dict[str, Any]:
                               "running": alive, "healthy": bool(alive and state and _answers(state))}
     if state is not None:
         now = time.time()
-        activity = _read_json(directory / "activity.json")
+        activity = read_json(directory / "activity.json") or {}
         last = float(activity.get("last_activity") or state.started) if activity.get("pid") == state.pid \
             else state.started
         status |= {"url": state.url, "pid": state.pid, "host": state.host, "started": state.started,
@@ -193,7 +218,40 @@ def server_status(host: str = LOOPBACK) -> dict[str, Any]:
             status |= {"idle_s": round(max(0.0, now - last), 1), "idle_timeout_s": state.idle_timeout}
             if activity.get("pid") == state.pid and activity.get("server_pid"):
                 status["server_pid"] = int(activity["server_pid"])  # `prefect server start`, beside its keeper
+        status |= ui_status(state, str(directory / "server.json"))
     return status
+
+
+def ui_status(state: ServerState, state_file: str) -> dict[str, str]:
+    """Where the UI is, the line that reaches it from a laptop, and where its auth string is (never the string)."""
+    if not state.ui:
+        return {"ui": f"off: this server was started without it ({PREFECT_UI}=0, or an older hpc-garage); "
+                      "`hpc-garage server stop` once no run uses it, and the next run starts one with it"}
+    import getpass
+    from urllib.parse import urlsplit
+
+    where = "" if state.host in (LOOPBACK, "localhost") else f" --host {state.host}"
+    path = urlsplit(state.ui).path
+    return {"ui": f"{state.ui}/",
+            "from_a_laptop": ssh_tunnel(state.host if state.host not in ("0.0.0.0", "::") else _url_host(state.host),
+                                        state.port, f"{getpass.getuser()}@{socket.getfqdn()}", f"{path}/"),
+            "auth_string": f"the UI's login page asks for it: `hpc-garage server auth{where}` prints it "
+                           f"(key \"auth\" of {state_file})"}
+
+
+def auth_string(host: str = LOOPBACK, machine: str | None = None) -> str:
+    """The running server's basic-auth string, for the UI's login page (`hpc-garage server auth`). `machine`:
+    another machine's server (a job's node), read from the home directory it shares with this one."""
+    machine = machine or machine_name()
+    path = _state_path(host, machine) / "server.json"
+    state = _read_state(path.parent)
+    here = machine == machine_name()
+    if state is None or (here and not _pid_alive(state.pid)):
+        why = "names a server that has ended" if state is not None else "does not exist"
+        raise UserError(f"--host {host} --machine {machine}: no hpc-garage Prefect server runs there ({path} {why}); "
+                        "`hpc-garage status JOB` prints the command for a job's server, `hpc-garage server "
+                        "status` says whether this machine's runs")
+    return state.auth
 
 
 # --------------------------------------------------------------------------------------------- database
@@ -274,7 +332,7 @@ class ManagedPostgres:
         """Start it (creating it first if need be); the connection URL for Prefect."""
         for d in (self.base, self.socket_dir):
             self._private_dir(d)
-        password = str(_read_json(self.secrets).get("password") or "")
+        password = str((read_json(self.secrets) or {}).get("password") or "")
         fresh = not (self.data / "PG_VERSION").exists()
         if fresh:
             if self.data.exists():
@@ -383,8 +441,7 @@ def machine_name() -> str:
 
 def state_dir(host: str = LOOPBACK) -> Path:
     """Per machine because ~ is usually shared by every node of a cluster; per bind address under it."""
-    base = Path.home() / ".hpc-garage" / "prefect" / machine_name()
-    directory = base if host in (LOOPBACK, "localhost") else base / f"bind-{host}"
+    directory = _state_path(host, machine_name())
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     for d in (directory, *directory.parents):
         if d == Path.home() / ".hpc-garage":
@@ -393,36 +450,65 @@ def state_dir(host: str = LOOPBACK) -> Path:
     return directory
 
 
+def _state_path(host: str, machine: str) -> Path:
+    base = Path.home() / ".hpc-garage" / "prefect" / machine
+    return base if host in (LOOPBACK, "localhost") else base / f"bind-{host}"
+
+
 # ---------------------------------------------------------------------------------------------- starting
 
 
-def _start(directory: Path, host: str, timeout: float, idle: float, database: Database) -> ServerState:
+def ui_base(root: str, env: Mapping[str, str]) -> str:
+    """The UI's base URL under the server's `root`: `/v2` where Prefect ships its V2 UI and the user did not
+    turn it off. Its pages send a browser without the auth string to its login page and back; the V1 UI's
+    deep links (Prefect's default "View at" link) show "Page not found" instead."""
+    prefect = _prefect_dir()
+    has_v2 = prefect is not None and (prefect / "server" / "ui-v2" / "index.html").exists()
+    return f"{root}/v2" if has_v2 and switch(env, "PREFECT_SERVER_UI_V2_ENABLED", True) else root
+
+
+def ui_settings(home: Path, ui: str) -> dict[str, str]:
+    """Prefect's settings for our server's UI (at base URL `ui`; "": off). Its API at `/api` of whatever
+    address the page was loaded from (a laptop's `ssh -L` port, the node's name or IP: the server cannot
+    know which); its copy of the UI in our PREFECT_HOME (Prefect's default is inside the installed package,
+    often read-only on a site); the links the server writes itself (automations' notifications) at `ui`."""
+    if not ui:
+        return {"PREFECT_SERVER_UI_ENABLED": "false"}
+    return {"PREFECT_SERVER_UI_ENABLED": "true", "PREFECT_SERVER_UI_API_URL": "/api",
+            "PREFECT_SERVER_UI_STATIC_DIRECTORY": str(home / "ui_build"), "PREFECT_UI_URL": ui,
+            "PREFECT_SERVER_UI_SERVE_BASE": "/"}
+
+
+def _start(directory: Path, host: str, timeout: float, idle: float, database: Database, *,
+           ui: bool = True) -> ServerState:
     port = _free_port(host)
     auth = f"hpc-garage:{secrets.token_urlsafe(24)}"
+    ui_url = ui_base(f"http://{_url_host(host)}:{port}", os.environ) if ui else ""
     env = {**BATCHING, **os.environ, **QUIET,
            "PREFECT_HOME": str(directory / "home"),
            "PREFECT_SERVER_API_AUTH_STRING": auth,
-           "PREFECT_SERVER_UI_ENABLED": "false"}
+           **ui_settings(directory / "home", ui_url)}
     env.pop("PREFECT_API_URL", None)
     package_root = str(Path(__file__).resolve().parents[2])  # the keeper imports this very copy, whatever the cwd
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
     command = [sys.executable, "-m", "hpc_garage.prefect.server", "keep", "--host", host, "--port", str(port),
-               "--idle", repr(idle)]
+               "--idle", repr(idle), *([] if ui else ["--no-ui"])]
     log = directory / "server.log"
     with os.fdopen(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as out:
         process = subprocess.Popen(command, env=env, cwd=directory, stdin=subprocess.DEVNULL, stdout=out,
                                    stderr=subprocess.STDOUT, start_new_session=True)
     _children[process.pid] = process
     state = ServerState(url=f"http://{_url_host(host)}:{port}/api", pid=process.pid, auth=auth, host=host,
-                        port=port, started=time.time(), database=database.label(), idle_timeout=idle)
+                        port=port, started=time.time(), database=database.label(), idle_timeout=idle, ui=ui_url)
     deadline = time.monotonic() + timeout
     while not _answers(state):
         if (code := process.poll()) is not None or time.monotonic() > deadline:
             _terminate(state)
             why = f"exited with code {code}" if code is not None else f"did not answer within {timeout:.0f} s"
+            reason = _reason(log)
             raise UserError(f"the Prefect server hpc-garage started (prefect server start --host {host} --port "
-                            f"{port}, database {database.label()}) {why}; last lines of {log}: {_tail(log)} "
-                            "(or set PREFECT_API_URL to a server you run)")
+                            f"{port}, database {database.label()}) {why}{f': {reason}' if reason else ''}; "
+                            f"last lines of {log}: {_tail(log)} (or set PREFECT_API_URL to a server you run)")
         time.sleep(0.2)
     write_private(directory / "server.json", json.dumps(asdict(state), indent=2))
     return state
@@ -469,7 +555,9 @@ def _keep(argv: list[str]) -> int:
     parser.add_argument("--host", required=True)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--idle", type=float, required=True)
+    parser.add_argument("--no-ui", dest="ui", action="store_false")
     args = parser.parse_args(argv)
+    setup_messages(label="hpc-garage server keeper", clock=True, stream="stdout")  # server.log: `...[12:00:00]: ...`
     directory = Path.cwd()  # _start runs the keeper in the state directory
     signal.signal(signal.SIGTERM, _exit_on_signal)
     signal.signal(signal.SIGINT, _exit_on_signal)
@@ -477,16 +565,19 @@ def _keep(argv: list[str]) -> int:
     server: subprocess.Popen[bytes] | None = None
     env = dict(os.environ)
     try:
+        if not _port_free(args.host, args.port):  # said at once: Prefect's own check comes after its import (2-7 s)
+            raise UserError(f"port {args.port} of {args.host} is already in use: another process took it after "
+                            "hpc-garage chose it; run again (a new port is chosen)")
         database = database_choice(env)
         if database.kind == "postgresql":
             postgres = ManagedPostgres(directory)
-            _say(f"starting PostgreSQL in {postgres.data} (socket in {postgres.socket_dir})")
+            logger.info(f"starting PostgreSQL in {postgres.data} (socket in {postgres.socket_dir})")
             env["PREFECT_SERVER_DATABASE_CONNECTION_URL"] = postgres.start(sys.stdout.fileno())
         elif database.kind == "url" and database.url:
             env["PREFECT_SERVER_DATABASE_CONNECTION_URL"] = database.url
         server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", args.host,
-                                   "--port", str(args.port), "--no-ui", "--analytics-off"], env=env,
-                                  stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent(signal.SIGTERM))
+                                   "--port", str(args.port), *([] if args.ui else ["--no-ui"]), "--analytics-off"],
+                                  env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent(signal.SIGTERM))
         url = f"http://{_url_host(args.host)}:{args.port}/api"
         state = ServerState(url=url, pid=os.getpid(), auth=env["PREFECT_SERVER_API_AUTH_STRING"], host=args.host,
                             port=args.port, started=time.time(), idle_timeout=args.idle)
@@ -497,10 +588,10 @@ def _keep(argv: list[str]) -> int:
 
         return _watch(directory, state, server, args.idle, stop)
     except UserError as exc:
-        _say(str(exc))
+        logger.error(str(exc))
         return 2
     except subprocess.CalledProcessError as exc:
-        _say(f"{' '.join(map(str, exc.cmd))} exited with code {exc.returncode}")
+        logger.error(f"{' '.join(map(str, exc.cmd))} exited with code {exc.returncode}")
         return 3
     finally:
         if server is not None:
@@ -525,16 +616,22 @@ def _watch(directory: Path, state: ServerState, server: subprocess.Popen[bytes],
 
     record(last_use)
     while True:
-        time.sleep(interval)
+        try:
+            server.wait(timeout=interval)  # its exit is seen at once, not at the next look
+        except subprocess.TimeoutExpired:
+            pass
         now = time.time()
         if (code := server.poll()) is not None:
-            _say(f"prefect server start exited with code {code}")
-            with locked(directory / "lock"):
-                _forget(directory, state)
+            logger.error(f"prefect server start exited with code {code}")
+            if _handed_out(directory, state):
+                with locked(directory / "lock"):
+                    _forget(directory, state)
+                    stop()
+            else:  # it never answered: `_start` holds the lock, waiting for it to answer or for us to exit
                 stop()
             return code or 1
         counts = _run_counts(state)
-        if counts is None or counts != seen:  # runs moved, or too busy to answer
+        if counts is None or counts != seen or _held(state):  # runs moved, too busy to answer, or needed
             last_use, seen = now, counts
         last_use = max(last_use, _leases_last_use(directory, now))
         record(now)
@@ -544,10 +641,16 @@ def _watch(directory: Path, state: ServerState, server: subprocess.Popen[bytes],
             if time.time() - max(last_use, _leases_last_use(directory, time.time())) < idle:
                 continue  # handed out while we waited for the lock
             _forget(directory, state)
-            _say(f"no flow or task run moved and no user process for {now - last_use:.0f} s "
-                 f"(HPC_GARAGE_PREFECT_SERVER_IDLE={idle:g}): stopping")
+            logger.info(f"no flow or task run moved and no user process for {now - last_use:.0f} s "
+                        f"({PREFECT_SERVER_IDLE}={idle:g}): stopping")
             stop()
             return 0
+
+
+def _handed_out(directory: Path, state: ServerState) -> bool:
+    """Whether server.json names this keeper: `_start` writes it once the server first answers."""
+    current = _read_state(directory)
+    return current is not None and current.pid == state.pid
 
 
 def _run_counts(state: ServerState) -> tuple[int, ...] | None:
@@ -562,15 +665,28 @@ def _run_counts(state: ServerState) -> tuple[int, ...] | None:
     return tuple(counts)
 
 
+def _held(state: ServerState) -> bool:
+    """A work-pool worker is online (`hpc-garage worker`, `prefect worker start`: it polls for the runs that
+    schedules, the Run button and automations create), or a deployment has an active schedule (the server's
+    scheduler creates its runs): the server is needed though no run moves."""
+    from urllib.parse import quote
+
+    for pool in _api_post(state, "/work_pools/filter", {}) or []:
+        name = pool.get("name") if isinstance(pool, dict) else None
+        workers = _api_post(state, f"/work_pools/{quote(name, safe='')}/workers/filter", {}) if name else None
+        if any(isinstance(w, dict) and w.get("status") == "ONLINE" for w in workers or []):
+            return True
+    for deployment in _api_post(state, "/deployments/filter", {"limit": 200}) or []:
+        if isinstance(deployment, dict) and not deployment.get("paused") \
+                and any(isinstance(s, dict) and s.get("active") for s in deployment.get("schedules") or []):
+            return True
+    return False
+
+
 def _api_post(state: ServerState, path: str, body: dict[str, Any]) -> Any:
-    token = base64.b64encode(state.auth.encode()).decode()
-    request = urllib.request.Request(f"{state.url}{path}", data=json.dumps(body).encode(), method="POST",
-                                     headers={"Authorization": f"Basic {token}", "Content-Type": "application/json"})
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:
-        with opener.open(request, timeout=10) as response:
-            return json.loads(response.read())
-    except (urllib.error.URLError, OSError, ValueError):
+        return state.api(timeout=10).post(path, body)
+    except (OSError, ValueError):
         return None
 
 
@@ -609,15 +725,24 @@ def _exit_on_signal(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
-def _say(text: str) -> None:
-    print(f"hpc-garage server keeper [{time.strftime('%H:%M:%S')}]: {text}", flush=True)
-
-
 def _free_port(host: str) -> int:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def _port_free(host: str, port: int) -> bool:
+    """Whether a server can listen on `port` now (bound as uvicorn binds, SO_REUSEADDR: a closed connection's
+    TIME_WAIT does not count)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def _url_host(host: str) -> str:
@@ -632,19 +757,17 @@ def _url_host(host: str) -> str:
 
 def _answers(state: ServerState, patience: float = 0.0) -> bool:
     """Up and accepting our auth string (health alone would also pass for a stranger on the port)."""
-    token = base64.b64encode(state.auth.encode()).decode()
-    request = urllib.request.Request(f"{state.url}/admin/version", headers={"Authorization": f"Basic {token}"})
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never via a site's http_proxy
+    api = state.api(timeout=2)
     deadline = time.monotonic() + patience
     while True:
         try:
-            with opener.open(request, timeout=2) as response:
-                return bool(response.status == 200)
-        except urllib.error.HTTPError as exc:
-            if exc.code in (401, 403, 404):
-                return False  # it answered, and refused us: another auth string, or not a Prefect server
-        except (urllib.error.URLError, OSError, ValueError):
-            pass
+            status = api.answer("GET", "/admin/version").status
+        except (OSError, ValueError):
+            status = 0
+        if 200 <= status < 300:
+            return status == 200
+        if status in (401, 403, 404):
+            return False  # it answered, and refused us: another auth string, or not a Prefect server
         if time.monotonic() >= deadline or not _pid_alive(state.pid):
             return False
         time.sleep(0.5)
@@ -709,12 +832,22 @@ def _read_state(directory: Path) -> ServerState | None:
         return None
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def _reason(path: Path) -> str:
+    """The line of the server's log that says why it stopped (the last exception or error named), or ""."""
     try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    for line in reversed(lines):
+        text = line.strip()
+        if "exited with code" in text:
+            continue  # the keeper's own summary, not the cause
+        if _CAUSE.search(text):
+            return text
+    return ""
+
+
+_CAUSE = re.compile(r"^[\w.]*(Error|Exception)\b|already in use|No module named|\berror\b", re.IGNORECASE)
 
 
 def _tail(path: Path, lines: int = 8) -> str:
@@ -727,12 +860,18 @@ def _tail(path: Path, lines: int = 8) -> str:
 
 def _builtin_profiles() -> dict[str, dict[str, Any]]:
     """Prefect's shipped profiles (`local` points at 127.0.0.1:4200), found without importing prefect."""
+    prefect = _prefect_dir()
+    return dict(_read_toml(prefect / "settings" / "profiles.toml").get("profiles", {})) if prefect else {}
+
+
+def _prefect_dir() -> Path | None:
+    """The installed prefect package's directory, found without importing it (≈2 s)."""
     import importlib.util
 
     spec = importlib.util.find_spec("prefect")
     for location in (spec.submodule_search_locations or []) if spec else []:
-        return dict(_read_toml(Path(location) / "settings" / "profiles.toml").get("profiles", {}))
-    return {}
+        return Path(location)
+    return None
 
 
 def _read_toml(path: Path) -> dict[str, Any]:

@@ -38,20 +38,22 @@ from prefect.context import FlowRunContext, TagsContext
 from prefect_dask import DaskTaskRunner
 from prefect_dask.task_runners import PrefectDaskFuture
 
+from hpc_garage import log
 from hpc_garage.compat import dask_futures, runner_has_cluster, runner_started
 from hpc_garage.prefect import fast as prefect_fast
 from hpc_garage.prefect import outage
 from hpc_garage.core.errors import UserError
-from hpc_garage.cluster.handoff import handoff_from_env, note_flow_run
+from hpc_garage.cluster.handoff import handoff_from_env
+from hpc_garage.rundir import note_flow_run
 from hpc_garage.prefect.sweep_cache import SweepTasks
 from hpc_garage.prefect.tags import resources_from_tags
+from hpc_garage.variables import POOL_RESOURCES_ENV, SITE_ENV
 
 if TYPE_CHECKING:
     from hpc_garage.core.site import Site
 
 __all__ = ["HpcTaskRunner", "task_runner", "worker_resources"]
 
-SITE_ENV = "HPC_GARAGE_SITE"
 LOCAL_CLUSTER = "hpc_garage.cluster.local.LocalSiteCluster"  # loaded by prefect-dask
 
 
@@ -148,6 +150,7 @@ class HpcTaskRunner(DaskTaskRunner):
             # prefect-dask connects it to the worker's scheduler with client_kwargs alone; on a TLS cluster
             # those must carry the credentials, which the local path keeps in cluster_kwargs
             self.client_kwargs = {**self.client_kwargs, "security": security}
+        log.setup()  # the flow's process: hpc-garage's own lines (an API outage: outage.py) on its stderr
         outage.install()  # the flow run's states survive an API outage (prefect/outage.py)
         super().__enter__()
         return self
@@ -242,7 +245,7 @@ class HpcTaskRunner(DaskTaskRunner):
             raise UserError(
                 f"task {task.name!r} asks for {_describe(resources)} but no worker of this cluster has that "
                 f"(workers offer {'; '.join(kinds)}); fix the task's dask-resource: tags or use a site whose "
-                f"workers hold it (HPC_GARAGE_SITE, `hpc-garage show`)"
+                f"workers hold it ({SITE_ENV}, `hpc-garage show`)"
             )
         self._placeable.add(key)
 
@@ -261,7 +264,7 @@ def worker_resources() -> list[dict[str, float]]:
 def _offered(client: Any) -> list[dict[str, float]]:
     """What the workers offer, and what pools that can still grow (from zero) will offer (exported by `run`)."""
     running = [dict(w.get("resources") or {}) for w in client.scheduler_info(n_workers=-1)["workers"].values()]
-    return running + json.loads(os.environ.get("HPC_GARAGE_POOL_RESOURCES", "[]"))
+    return running + json.loads(os.environ.get(POOL_RESOURCES_ENV, "[]"))
 
 
 def task_resources(task: Any) -> dict[str, float]:
@@ -364,3 +367,18 @@ def _describe(resources: dict[str, float]) -> str:
 
     return ", ".join(f"{k}={format_bytes(v).replace(' ', '')}" if k == "MEMORY" else f"{k}={v:g}"
                      for k, v in sorted(resources.items()))
+
+
+class _CallableModule(type(sys)):  # type: ignore[misc]
+    """Before 0.1.0's restructure this module's place was hpc_garage/prefect.py, and `from hpc_garage.prefect
+    import task_runner` gave the function: calling this module still does, with a DeprecationWarning."""
+
+    def __call__(self, **kwargs: Any) -> HpcTaskRunner:
+        import warnings
+
+        warnings.warn("`from hpc_garage.prefect import task_runner` gives a module now; calling it is deprecated: "
+                      "use hpc_garage.task_runner()", DeprecationWarning, stacklevel=2)
+        return task_runner(**kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

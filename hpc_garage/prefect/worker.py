@@ -1,6 +1,6 @@
 """What a worker forkserver imports and sets up once per host, so that no worker does it at its first task.
 
-`launchers.common.worker_preload()` names this module where Prefect is installed. Forked workers inherit
+`prefect.preload.worker_preload()` names this module where Prefect is installed. Forked workers inherit
 everything here: Prefect's task engine and the modules that unpickling a flow script's task brings in
 (prefect.flows, hpc_garage.prefect.task_runner, prefect-dask), Prefect's logging configuration, and the context models
 `hydrated_context` rebuilds before every task (a no-op once done). Measured: the first task on a fresh

@@ -9,13 +9,12 @@ from typing import TYPE_CHECKING
 from hpc_garage.core.allocation import Allocation
 from hpc_garage.core.errors import AllocationError
 from hpc_garage.core.request import Request
+from hpc_garage.schedulers.job_env import JOB_ID_VARIABLES, job_id as _env_job_id
 
 if TYPE_CHECKING:  # base imports subprocess: `show` outside a job never needs it
     from hpc_garage.core.site import Site
     from hpc_garage.schedulers.base import BatchSystem
     from hpc_garage.sites.view import SiteView
-
-JOB_ID_VARIABLES = (("slurm", "SLURM_JOB_ID"), ("pbs", "PBS_JOBID"))
 
 
 def get(name: str) -> BatchSystem:
@@ -54,9 +53,7 @@ def in_batch_job(env: Mapping[str, str] | None = None) -> bool:
 
 def job_id(env: Mapping[str, str] | None = None) -> str | None:
     """The id of the batch job this process runs in, or None on a login node."""
-    env = os.environ if env is None else env
-    batch = detect(env)
-    return batch.job_id(env) if batch is not None else None
+    return _env_job_id(os.environ if env is None else env)
 
 
 def allocation_from_env(site: Site, env: Mapping[str, str] | None = None) -> Allocation:

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import re
 import shlex
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from hpc_garage.core.errors import AllocationError, UserError
 from hpc_garage.core.gpus import EMPTY_WORDS, PRIMARY, job_gpus, vendor_of
+from hpc_garage.schedulers.job_env import JOB_ID, checked_job_id
 
 if TYPE_CHECKING:
     from hpc_garage.core.allocation import Allocation
@@ -28,11 +28,7 @@ class BatchSystem:
     def job_id(self, env: Mapping[str, str]) -> str | None:
         """The id of the job this environment belongs to; one that could not be a job id (`../x`) is refused,
         since it names the job's run directory."""
-        value = env.get(self.job_id_variable) if self.job_id_variable else None
-        if value and (not JOB_ID.fullmatch(value) or ".." in value):
-            raise AllocationError(f"{self.job_id_variable}={value!r} is not a job id (like 12, 12.server or 12_3); "
-                                  "check the job's environment")
-        return value or None
+        return checked_job_id(self.job_id_variable, env.get(self.job_id_variable) if self.job_id_variable else None)
 
     def allocation_from_env(self, env: Mapping[str, str], site: Site) -> Allocation:
         raise NotImplementedError
@@ -90,6 +86,10 @@ class BatchSystem:
         """Several jobs; the ones the batch system no longer knows are missing from the answer."""
         return {job_id: s for job_id in job_ids if (s := self.status(job_id)) is not None}
 
+    def jobs_named(self, name: str) -> list[str]:
+        """The user's queued or running jobs of this name (a job whose submitter died before it noted the id)."""
+        raise NotImplementedError
+
     def cancel_argv(self, job_id: str) -> list[str]:
         raise NotImplementedError
 
@@ -116,6 +116,45 @@ class BatchSystem:
             if any(phrase.lower() in str(exc).lower() for phrase in gone):
                 return None
             raise
+
+    # ---- before the first job (`hpc-garage doctor`): what a site needs of this batch system, asked here
+
+    commands: ClassVar[tuple[str, ...]] = ()  # the client commands hpc-garage runs on the login node
+    queue_word: ClassVar[str] = "queue"  # how this batch system calls a site's `queue` ("partition" on SLURM)
+    queues_command: ClassVar[str] = ""  # the command `queues` reads, for messages
+
+    def missing_commands(self) -> list[str]:
+        """The client commands that are not on PATH here."""
+        import shutil
+
+        return [command for command in self.commands if shutil.which(command) is None]
+
+    def queues(self) -> tuple[list[str], str | None]:
+        """The queues this batch system has, and its default one where it says."""
+        raise NotImplementedError
+
+    def check_queue(self, queue: str | None, where: str) -> Preflight:
+        """Whether the site's `queue` (None: the default one) exists; `where` names the site file for the fix."""
+        names, default = self.queues()
+        if queue is None:
+            return Preflight(f"none named: jobs go to the default {self.queue_word}"
+                             + (f" ({default})" if default else ""))
+        if queue in names:
+            return Preflight(f"{queue} exists")
+        return Preflight(f"{queue} does not exist here (`{self.queues_command}` lists {', '.join(names) or 'none'})",
+                         f"set queue to one of them in {where}")
+
+    def rank_launch(self, site: Site, where: str) -> Preflight | None:
+        """For `mpi: {launch: dask-mpi}` started by this batch system's own launcher: whether its ranks can
+        initialise MPI, with the fix where they cannot; None where it does not apply."""
+        return None
+
+
+class Preflight(NamedTuple):
+    """One finding of a check before the first job: what was found, and the fix (None: nothing to fix)."""
+
+    found: str
+    fix: str | None = None
 
 
 def visible_gpus(env: Mapping[str, str], vendor: str, count_var: str | None = None, *also: str,
@@ -255,7 +294,6 @@ def parse_job_id(output: str, command: str) -> str:
     return job_id
 
 
-JOB_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\[\]-]*")
 
 
 def process_memory_limit() -> int | None:

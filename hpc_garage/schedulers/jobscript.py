@@ -17,17 +17,16 @@ from dataclasses import asdict, dataclass, replace
 from functools import cache
 from typing import Any
 
-from hpc_garage import __version__
+from hpc_garage._version import __version__
 from hpc_garage.core.allocation import Allocation
 from hpc_garage.core.errors import UserError
 from hpc_garage.core.request import Request
 from hpc_garage.core.layout import Layout, layout
 from hpc_garage.core.site import Site
+from hpc_garage.schedulers.directive_values import CONTROL, directive, path_value, plain  # noqa: F401 (API)
 from hpc_garage.sites.files import packaged_dir
 
 _JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}")
-_PLAIN = re.compile(r"[A-Za-z0-9_.,:@%+=/~-]+")  # nothing any directive parser or shell treats specially
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 @dataclass(frozen=True)
@@ -190,7 +189,7 @@ def _ranks_comment(line: str) -> str:
     """The dask-mpi launch line as a comment of the job script (inert: one line, no control characters)."""
     if not line:
         return ""
-    if _CONTROL.search(line):
+    if CONTROL.search(line):
         raise UserError(f"the site's mpi options make the rank launch line {line!r} hold a newline or control "
                         "character; fix mpi.srun_args / mpiexec_args")
     line = line.replace("'$PBS_NODEFILE'", '"$PBS_NODEFILE"')  # shown as a script would write it
@@ -303,30 +302,6 @@ def job_name_for(name: str | None, script: str) -> str:
         return name
     stem = re.sub(r"[^A-Za-z0-9._+-]", "_", script.rsplit("/", 1)[-1].removesuffix(".py")).lstrip("._+-")
     return stem[:64] or "hpc-garage"
-
-
-def plain(value: str, what: str) -> str:
-    """A directive value that no parser splits or interprets: accounts, partitions, QOS, GPU types."""
-    if not _PLAIN.fullmatch(value):
-        raise UserError(f"{what} {value!r}: use only letters, digits and _ . , : @ % + = / ~ -")
-    return value
-
-
-def path_value(value: str, what: str, *, quote: bool) -> str:
-    """A path as a directive value: plain as it is, or (where the parser honours it) in double quotes."""
-    if _PLAIN.fullmatch(value):
-        return value
-    if quote and not _CONTROL.search(value) and not re.search(r'["\\]', value):
-        return f'"{value}"'
-    allowed = "no control characters, double quotes or backslashes" if quote else "only letters, digits and _ . , : @ % + = / ~ -"
-    raise UserError(f"{what} {value!r}: a path in a job-script directive may contain {allowed}; choose another path")
-
-
-def directive(line: str, what: str) -> str:
-    """One directive line's text (after the prefix): a single line, or it would smuggle in a second one."""
-    if _CONTROL.search(line.replace("\t", " ")):
-        raise UserError(f"{what} {line!r} holds a newline or control character; a directive is one line")
-    return line
 
 
 def _no_nul(text: str, what: str) -> str:

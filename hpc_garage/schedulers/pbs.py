@@ -80,7 +80,7 @@ class Pbs(BatchSystem):
     submit_command = "qsub"
 
     def template_values(self, spec: JobSpec) -> dict[str, Any]:
-        from hpc_garage.schedulers.jobscript import path_value, plain
+        from hpc_garage.schedulers.directive_values import path_value, plain
 
         if spec.qos:
             raise UserError(f"--qos {spec.qos}: PBS has no QOS; drop it, or add the site's equivalent to its directives")
@@ -146,6 +146,13 @@ class Pbs(BatchSystem):
     def cancel_argv(self, job_id: str) -> list[str]:
         return ["qdel", job_id]
 
+    def jobs_named(self, name: str) -> list[str]:
+        """The user's queued or running jobs of this name, oldest first."""
+        import getpass
+
+        out = self.run_unless_gone(["qselect", "-u", getpass.getuser(), "-N", name], _GONE) or ""
+        return [line.strip() for line in out.splitlines() if line.strip()]
+
     def time_left(self, job_id: str, qstat_f: Callable[[str], str] = _qstat_f) -> tuple[float, float] | None:
         """The walltime limit less the walltime used, from `qstat -f`."""
         info = parse_qstat_f(qstat_f(job_id))
@@ -171,6 +178,21 @@ class Pbs(BatchSystem):
         select += f":mem={pbs_memory(job.memory)}"  # last: Slurm's #PBS reader takes mem= to the line's end
         return {"queue": job.queue, "account": job.account, "resource_spec": select,
                 "job_extra_directives": ["-j oe", f"-o {job.log_dir}/", *job.directives]}
+
+    # ---- before the first job (`hpc-garage doctor`)
+
+    commands = ("qsub", "qstat", "qdel")
+    queues_command = "qstat -Q"
+
+    def queues(self) -> tuple[list[str], str | None]:
+        return parse_qstat_queues(self.run(["qstat", "-Q"])), None
+
+
+def parse_qstat_queues(text: str) -> list[str]:
+    """`qstat -Q`: the queue names, one a row under the header's dashed line (PBS Pro, Torque, Slurm's wrapper)."""
+    lines = text.splitlines()
+    start = next((i + 1 for i, line in enumerate(lines) if line.strip().startswith("---")), len(lines))
+    return [line.split()[0] for line in lines[start:] if line.strip()]
 
 
 def _cores(env: Mapping[str, str], info: Mapping[str, str], nhosts: int) -> int:

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 from hpc_garage.core.allocation import Allocation, NodeAllocation
 from hpc_garage.core.errors import AllocationError, UserError
-from hpc_garage.schedulers.base import (BatchSystem, JobStatus, WorkerJob, _int, fallback_memory, require, site_gpus,
-                                        visible_gpus)
+from hpc_garage.schedulers.base import (BatchSystem, JobStatus, Preflight, WorkerJob, _int, fallback_memory, require,
+                                        site_gpus, visible_gpus)
 from hpc_garage.core.units import format_walltime, mib, parse_walltime
 
 if TYPE_CHECKING:
@@ -65,7 +65,7 @@ class Slurm(BatchSystem):
     submit_command = "sbatch"
 
     def template_values(self, spec: JobSpec) -> dict[str, Any]:
-        from hpc_garage.schedulers.jobscript import path_value, plain
+        from hpc_garage.schedulers.directive_values import path_value, plain
 
         optional = []
         if spec.queue:
@@ -153,6 +153,13 @@ class Slurm(BatchSystem):
     def cancel_argv(self, job_id: str) -> list[str]:
         return ["scancel", job_id]
 
+    def jobs_named(self, name: str) -> list[str]:
+        """The user's queued or running jobs of this name, oldest first."""
+        import getpass
+
+        out = self.run_unless_gone(["squeue", "-h", "-u", getpass.getuser(), "-n", name, "-o", "%i"], _GONE) or ""
+        return sorted((line.strip() for line in out.splitlines() if line.strip()), key=lambda j: (len(j), j))
+
     def time_left(self, job_id: str) -> tuple[float, float] | None:
         """From squeue's %L (time left) and %l (limit): relative, so no clock or time zone is involved.
         (SLURM_JOB_END_TIME exists from Slurm 23.02; squeue answers on every version.)"""
@@ -172,7 +179,7 @@ class Slurm(BatchSystem):
         return int(value) if value.isdigit() else 0
 
     def worker_job_options(self, job: WorkerJob) -> dict[str, Any]:
-        from hpc_garage.schedulers.jobscript import plain
+        from hpc_garage.schedulers.directive_values import plain
 
         lines = [f"--output={job.log_dir}/%x-%j.out"]
         if job.gpus:
@@ -182,6 +189,93 @@ class Slurm(BatchSystem):
             lines.append(f"--qos={plain(job.qos, 'qos')}")
         return {"queue": job.queue, "account": job.account, "job_cpu": job.cores,
                 "job_mem": f"{max(1, mib(job.memory))}M", "job_extra_directives": lines + list(job.directives)}
+
+    # ---- before the first job (`hpc-garage doctor`)
+
+    commands = ("sbatch", "squeue", "scancel", "scontrol")
+    queue_word = "partition"
+    queues_command = "scontrol show partition"
+
+    def queues(self) -> tuple[list[str], str | None]:
+        return parse_partitions(self.run(["scontrol", "show", "partition", "-o"]))
+
+    def rank_launch(self, site: Site, where: str) -> Preflight | None:
+        """srun starts dask-mpi's ranks with the MPI plugin of `--mpi=` in `mpi.srun_args`, else the cluster's
+        MpiDefault; with none, OpenMPI's ranks find no PMI and fail in MPI_Init, each with a page of text."""
+        if site.mpi.launch != "dask-mpi" or site.mpi.via == "mpiexec":
+            return None
+        config = parse_config(self.run(["scontrol", "show", "config"]))
+        offered = parse_mpi_types(self.run(["srun", "--mpi=list"]))
+        return srun_mpi(site.mpi.srun_args, config.get("MpiDefault"), offered, where)
+
+
+def srun_mpi(srun_args: Sequence[str], mpi_default: str | None, offered: Sequence[str], where: str) -> Preflight:
+    """Whether srun gives dask-mpi's ranks a PMI: the plugin `srun_args` name, else MpiDefault (pure)."""
+    given = _mpi_arg(srun_args)
+    usable = [t for t in offered if t != "none"]
+    best = next((t for t in ("pmix", "pmi2") if t in usable), usable[0] if usable else None)
+    listed = f"`srun --mpi=list` offers {', '.join(offered) or 'nothing'}"
+    if given is not None:
+        if given == "none":
+            return Preflight("mpi.srun_args sets --mpi=none: srun gives dask-mpi's ranks no PMI, so MPI cannot "
+                             "initialise", f"use --mpi={best} in mpi.srun_args of {where} ({listed})" if best
+                             else f"set mpi.via: mpiexec in {where} ({listed})")
+        if offered and given not in offered:
+            return Preflight(f"mpi.srun_args sets --mpi={given}, which this SLURM does not offer ({listed})",
+                             f"use --mpi={best} in mpi.srun_args of {where}" if best
+                             else f"set mpi.via: mpiexec in {where}")
+        return Preflight(f"srun starts the ranks with --mpi={given} (mpi.srun_args)")
+    if mpi_default and mpi_default.lower() not in ("none", "(null)"):
+        return Preflight(f"srun starts the ranks with the cluster's MpiDefault={mpi_default}")
+    said = f"'s MpiDefault is {mpi_default}" if mpi_default else " sets no MpiDefault"
+    problem = (f"mpi.srun_args has no --mpi= and this SLURM{said}: srun starts dask-mpi's ranks without "
+               "PMI, so MPI cannot initialise")
+    if best is None:
+        return Preflight(problem, f"set mpi.via: mpiexec in {where} ({listed})")
+    return Preflight(problem, f"add `srun_args: [--mpi={best}]` under mpi: in {where} ({listed})")
+
+
+def _mpi_arg(args: Sequence[str]) -> str | None:
+    """The plugin `--mpi=X` (or `--mpi X`) names in srun's arguments; the last one wins, as in srun."""
+    found = None
+    for i, arg in enumerate(args):
+        if arg.startswith("--mpi="):
+            found = arg.split("=", 1)[1]
+        elif arg == "--mpi" and i + 1 < len(args):
+            found = args[i + 1]
+    return found
+
+
+def parse_partitions(text: str) -> tuple[list[str], str | None]:
+    """`scontrol show partition -o`: the partition names, and the default one (Default=YES)."""
+    names, default = [], None
+    for line in text.splitlines():
+        if m := re.search(r"(?:^|\s)PartitionName=(\S+)", line):
+            names.append(m.group(1))
+            if re.search(r"(?:^|\s)Default=YES\b", line):
+                default = m.group(1)
+    return names, default
+
+
+def parse_config(text: str) -> dict[str, str]:
+    """`scontrol show config`: `Key = value` lines as a dict."""
+    return {m.group(1): m.group(2).strip() for line in text.splitlines()
+            if (m := re.match(r"^(\w+)\s+= ?(.*)$", line))}
+
+
+def parse_mpi_types(text: str) -> list[str]:
+    """`srun --mpi=list`: the MPI plugin types (Slurm 23+ lists them tab-indented under a heading, older
+    ones as `srun: X` lines; versioned pmix plugins follow on a line of their own)."""
+    types: list[str] = []
+    for line in text.splitlines():
+        line = line.strip().removeprefix("srun:").strip()
+        if not line:
+            continue
+        if "versions available:" in line:
+            types += [t.strip() for t in line.split(":", 1)[1].replace(",", " ").split()]
+        elif not line.endswith(("...", ":")) and " " not in line:
+            types.append(line)
+    return list(dict.fromkeys(types))
 
 
 def _cores_per_node(env: Mapping[str, str], nhosts: int) -> list[int]:

@@ -16,8 +16,8 @@ import yaml
 
 from hpc_garage.core.errors import SiteError
 from hpc_garage.core.site_values import NAME_PATTERN  # noqa: F401 (API)
+from hpc_garage.variables import SITES_PATH_ENV
 
-SITES_PATH_ENV = "HPC_GARAGE_SITES_PATH"
 
 # ---------------------------------------------------------------------------------------------- finding
 

@@ -8,7 +8,8 @@ jobs. What dask-jobqueue leaves out is added around it:
 - the job header gets the GPUs, the exact memory and its log file, spelled by the batch system's module in
   `hpc_garage.schedulers` (`worker_job_options`);
 - sbatch/qsub run in a clean environment, out of the terminal's process group, and every job id they give is
-  recorded (`Submissions`) even when whoever awaited the submission was cancelled.
+  recorded (`Submissions`) even when whoever awaited the submission was cancelled; what is left at the end
+  goes in one scancel/qdel (`cancel_jobs`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import contextlib
 import os
 import shlex
 import signal
+import subprocess
 import sys
 import threading
 from collections.abc import Mapping
@@ -27,10 +29,9 @@ from typing import Any
 from hpc_garage.core.pools import JobShape, job_shapes
 from hpc_garage.core.site import Site
 from hpc_garage.core.units import format_walltime
+from hpc_garage.rundir import RunDir
 
 WORKER_MODULE = "hpc_garage.launchers.jobqueue.worker"
-WORKER_FILE_PREFIX = "jobqueue-"  # <run dir>/jobqueue-<pool>.json: what a worker job reads (0600)
-LOG_DIR = "worker-logs"
 
 
 def submit_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -160,6 +161,19 @@ class Submissions:
             await asyncio.wait(list(self.inflight), timeout=timeout)
 
 
+def cancel_jobs(scheduler: str, ids: list[str]) -> None:
+    """One `scancel`/`qdel` for all of `ids`, in the clean environment sbatch/qsub had; best effort (what
+    it cannot cancel ends at its walltime, or after `death_timeout` without a scheduler)."""
+    from hpc_garage.schedulers import get
+
+    if not ids:
+        return
+    batch = get(scheduler)
+    argv = [*batch.cancel_argv(ids[0])[:-1], *ids]
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        subprocess.run(argv, capture_output=True, timeout=60, env=submit_env(), start_new_session=True)
+
+
 def worker_job_name(pool: str, run_id: str) -> str:
     """The batch system's name for a pool's worker jobs: one name per pool and run, within 64 characters."""
     return f"hpcg-{pool}-{run_id}"[:64]
@@ -171,14 +185,15 @@ def worker_scripts(site: Site, *, run_root: Path | None = None) -> str:
 
     from hpc_garage.schedulers.submission import run_root as site_run_root
 
-    run_dir = (run_root or site_run_root(site)) / "RUN_ID"
-    cert, key = str(run_dir / "tls" / "cert.pem"), str(run_dir / "tls" / "key.pem")
-    security = Security(require_encryption=True, tls_ca_file=cert, tls_worker_cert=cert, tls_worker_key=key)
+    rundir = RunDir((run_root or site_run_root(site)) / "RUN_ID")
+    tls = rundir.credential_paths()
+    security = Security(require_encryption=True, tls_ca_file=tls["tls_ca_file"],
+                        tls_worker_cert=tls["tls_worker_cert"], tls_worker_key=tls["tls_worker_key"])
     parts = []
     for pool, shape in job_shapes(site).items():
         job_cls, _ = _classes(shape.site.scheduler)
-        kwargs = job_kwargs(shape, plan_file=str(run_dir / f"{WORKER_FILE_PREFIX}{pool}.json"),
-                            log_dir=str(run_dir / LOG_DIR), job_name=worker_job_name(pool, "RUN_ID"))
+        kwargs = job_kwargs(shape, plan_file=str(rundir.worker_file(pool)), log_dir=str(rundir.worker_logs),
+                            job_name=worker_job_name(pool, "RUN_ID"))
         job = job_cls(scheduler="tls://SCHEDULER:PORT", name=f"{pool}-0", security=security,
                       protocol="tls://", **kwargs)
         fewest, most = shape.site.jobqueue.bounds

@@ -31,7 +31,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from hpc_garage.core.pools import UNTAGGED, JobShape, fits, lifetime, worker_names
+from hpc_garage.core.pools import RUN_END_MARGIN, UNTAGGED, JobShape, fits, lifetime, worker_names
 
 GONE_AFTER = 5.0  # a started job whose workers have all been gone this long has ended
 RETIRE_GRACE = 3.0  # seconds a retired job gets to end by itself before it is cancelled
@@ -108,6 +108,28 @@ def retires_at(rec: JobRecord, shape: JobShape, now: float, life: int | None = N
     `life`: the job's own lifetime when shorter than the pool's (the run's end comes first)."""
     pool_life, stagger = lifetime(shape.site, cut=rec.cut)
     return (rec.started_at or now) + min(pool_life, life if life is not None else pool_life) - stagger
+
+
+def new_job_walltime(walltime: int, run_end: float | None, now: float, window: float) -> int | None:
+    """Seconds a job submitted now (`now`, epoch seconds) may live: its pool's `walltime`, or less when the run
+    ends first (`run_end`); None when the run ends too soon for a new job to start a task (`window`: the drain
+    window, see `drain_window`)."""
+    if run_end is None:
+        return walltime
+    left = int(run_end - now)
+    if left - RUN_END_MARGIN <= window:
+        return None
+    return min(walltime, left)
+
+
+def job_lifetime(rec: JobRecord, shape: JobShape, run_end: float | None) -> int | None:
+    """The lifetime of a started job's workers, from the job's end and the run's (`run_end`, epoch seconds),
+    whichever comes first; None before it started."""
+    if rec.started_at is None:
+        return None
+    job_left = rec.ends_at - rec.started_at if rec.ends_at is not None else None
+    run_left = run_end - rec.started if run_end is not None and rec.started is not None else None
+    return lifetime(shape.site, job_left, run_left, cut=rec.cut)[0]
 
 
 def drain_window(longest_task: float) -> float:

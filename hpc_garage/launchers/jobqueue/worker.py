@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import signal
 import sys
@@ -39,10 +40,13 @@ from hpc_garage.core.errors import UserError
 from hpc_garage.launchers.common import (forkserver_env, local_directory, node_gpus, run_entry, security_from,
                                         start_worker_forkserver, worker_preload)
 from hpc_garage.core.gpus import VARIABLES
-from hpc_garage.core.layout import CPUS_ENV, WorkerSpec, pin_gpus, layout
+from hpc_garage.core.layout import WorkerSpec, pin_gpus, layout
+from hpc_garage.variables import CPUS_ENV
 from hpc_garage.core.pools import RUN_END_MARGIN, JobShape, advertised, job_shapes, lifetime, worker_names
 from hpc_garage.core.site import Site, parse_site_dict
 from hpc_garage.core.units import format_bytes, format_walltime
+
+logger = logging.getLogger(__spec__.name)  # not __name__: a worker job runs this module as __main__
 
 
 @dataclass(frozen=True)
@@ -132,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         last = min(last, int(run_remaining) - RUN_END_MARGIN // 2)
     os.environ.update(data["env"])  # the run's worker environment (Prefect API, logging) for every process here
     for note in notes:
-        _say(note)
+        logger.info(note)
     start_worker_forkserver(forkserver_env(data["env"], [w.spec for w in workers]), worker_preload(os.environ))
     return asyncio.run(_serve(data, shape, workers, args, life, stagger, max(1, last)))
 
@@ -163,8 +167,8 @@ async def _serve(data: dict[str, Any], shape: JobShape, workers: list[JobWorker]
         end_workers(nannies, f"worker job got signal {sig}")
 
     def last_resort() -> None:
-        _say("the end of this job (or of its run) is near and its workers were not retired: stopping them "
-             "(a task still running runs again elsewhere)")
+        logger.info("the end of this job (or of its run) is near and its workers were not retired: stopping "
+                    "them (a task still running runs again elsewhere)")
         end_workers(nannies, "job's end")
 
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -175,9 +179,9 @@ async def _serve(data: dict[str, Any], shape: JobShape, workers: list[JobWorker]
     for w in workers:
         gpus = {k: w.env[k] for k in VARIABLES[site.node.gpu_vendor] if k in w.env}
         cores = f", cores {w.env[CPUS_ENV]}" if w.spec.cpus else ""
-        _say(f"worker {w.name} on {node}: {w.spec.nthreads} threads, {format_bytes(w.spec.memory_limit)}, "
-             f"resources {w.spec.resources_arg}, {' '.join(f'{k}={v}' for k, v in gpus.items()) or 'no GPUs'}"
-             f"{cores}; retires after {format_walltime(life)} ± {stagger} s")
+        logger.info(f"worker {w.name} on {node}: {w.spec.nthreads} threads, {format_bytes(w.spec.memory_limit)}, "
+                    f"resources {w.spec.resources_arg}, {' '.join(f'{k}={v}' for k, v in gpus.items()) or 'no GPUs'}"
+                    f"{cores}; retires after {format_walltime(life)} ± {stagger} s")
     await asyncio.gather(*(n.finished() for n in nannies))
     return 0 if not stopping else 128 + stopping[0]
 
@@ -193,10 +197,6 @@ def end_workers(nannies: list[Any], reason: str) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         asyncio.ensure_future(n.close(timeout=10, reason=reason))
-
-
-def _say(message: str) -> None:
-    print(f"hpc-garage: {message}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,291 @@
+"""One job's run directory, `<run root>/<job id>/` (0700): every name in it, what a new job clears, its JSON.
+
+As submitit's `JobPaths` owns a job folder, `RunDir` owns this one: nobody else spells a name in it, so what a
+job leaves there, who reads it, and what a later job with the same id must not see are decided in one place.
+
+    name                  written by                                         read by
+    submit.json           `submit`: what was asked, the log, when            status, wait, logs, resubmit, run
+    job.sh                `submit`: the job script as submitted              the follow-up job, `--resume`
+    state.json            `run`: phase, workers, progress, exit code         status, wait, COMMAND's wait
+    scheduler.json        `run`, once the workers are up: the handoff        COMMAND (cluster/handoff.py)
+    dask-scheduler.json   Dask's scheduler                                   node processes, dask-mpi ranks
+    tls/cert.pem, key.pem `run`: this job's TLS credentials                  scheduler, workers, COMMAND
+    ranks.json            the mpi and dask-mpi launchers                     node processes, ranks
+    dask-mpi-ranks/       each dask-mpi rank: started/, failed/              the dask-mpi launcher
+    jobqueue-<pool>.json  the jobqueue launcher (holds the API's secrets)    that pool's worker jobs
+    worker-jobs.json      the jobqueue launcher: worker jobs and events      people
+    worker-logs/          worker jobs: `<job name>-<job id>.out` (SLURM)     people, the jobqueue launcher
+    flow-runs             the task runner: COMMAND's flow runs, one a line   run (crash marking), progress
+    report.json           `run` as COMMAND ends                              `hpc-garage report`
+    doctor.json           `doctor --job`'s probe: what it found in the job   `hpc-garage doctor`
+    unrecorded.json       the flow, when Prefect's API died: what it lacks   `hpc-garage replay`
+    unrecorded/           the flow and each worker, when the API died:       `hpc-garage replay`
+                          events-<host>-<pid>.jsonl, logs-<host>-<pid>.jsonl,
+                          flow-runs.json (the flow runs' kept states),
+                          replayed.json (what replay sent)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from hpc_garage.files import append_private, read_json, run_dir, write_json, write_private
+from hpc_garage.variables import RUN_DIR_ENV
+
+SUBMIT_FILE = "submit.json"
+SCRIPT_FILE = "job.sh"
+STATE_FILE = "state.json"
+SCHEDULER_FILE = "scheduler.json"
+DASK_SCHEDULER_FILE = "dask-scheduler.json"
+TLS_DIR = "tls"
+CERT_FILE = "cert.pem"
+KEY_FILE = "key.pem"
+RANKS_FILE = "ranks.json"
+RANK_RECORDS_DIR = "dask-mpi-ranks"
+WORKER_FILE_PREFIX = "jobqueue-"
+WORKER_JOBS_FILE = "worker-jobs.json"
+WORKER_LOG_DIR = "worker-logs"
+FLOW_RUNS_FILE = "flow-runs"
+REPORT_FILE = "report.json"
+DOCTOR_FILE = "doctor.json"
+UNRECORDED_FILE = "unrecorded.json"
+UNRECORDED_DIR = "unrecorded"
+KEPT_SUFFIX = ".jsonl"  # in UNRECORDED_DIR: <kind>-<host>-<pid>.jsonl, kind events or logs
+KEPT_FLOW_STATES_FILE = "flow-runs.json"  # in UNRECORDED_DIR
+REPLAYED_FILE = "replayed.json"  # in UNRECORDED_DIR
+
+# One run's cluster: its address, its keys, what its nodes read. They hold only while that run lives, so `run`
+# removes them as it ends and a new run clears them as it starts (the last one may have been killed first):
+# COMMAND must never reach a cluster that is gone, nor anyone find its keys. (Two lists said this before: the
+# start's named a `workers` that nothing writes, the end's added ranks.json.)
+HANDOFF = (SCHEDULER_FILE, DASK_SCHEDULER_FILE, TLS_DIR, RANKS_FILE)
+# The flow's records of one job: kept across a requeue of it (replay needs what its first start left), cleared
+# where they predate its submission (an earlier job whose id was recycled).
+EARLIER_RUN = (FLOW_RUNS_FILE, UNRECORDED_FILE, UNRECORDED_DIR)
+# Everything else stays: submit.json and job.sh are this job's (written before it starts); state.json,
+# report.json and worker-jobs.json are rewritten by each run; the jobqueue launcher removes its worker files as
+# it ends, the dask-mpi launcher its rank records as it starts.
+
+CLOCK_SLACK = 5.0  # seconds: a file older than the submission (minus this) is an older job's
+
+
+class Published(Protocol):
+    """What `publish` writes: cluster/handoff.py's Handoff (a layer up, so named by its shape)."""
+
+    def to_json(self) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """The run directory of one job; every path in it."""
+
+    path: Path
+
+    @classmethod
+    def for_job(cls, root: str | Path, job_id: str) -> RunDir:
+        """Job `job_id`'s under a site's `run_directory` (`~` and variables expanded)."""
+        return cls(run_dir(root, job_id))
+
+    @classmethod
+    def of_this_run(cls, env: Mapping[str, str] | None = None) -> RunDir | None:
+        """The one `run` gave COMMAND (and so its flow) through $HPC_GARAGE_RUN_DIR; None outside `run`."""
+        path = (os.environ if env is None else env).get(RUN_DIR_ENV)
+        return cls(Path(path)) if path else None
+
+    # ---- its life
+
+    def create(self, submitted: float | None = None) -> RunDir:
+        """Make the directory private, and clear what an earlier job with the same id left behind: the
+        handoff always; its flow runs and unreplayed records where they predate this job's submission
+        (`submitted`: a requeued job keeps what its first start left for replay)."""
+        self.path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(self.path, 0o700)
+        self.clear_handoff()
+        for name in EARLIER_RUN:
+            try:
+                if submitted is None or (self.path / name).stat().st_mtime >= submitted:
+                    continue
+            except FileNotFoundError:
+                continue
+            _remove(self.path / name)
+        return self
+
+    def clear_handoff(self) -> None:
+        """The run's cluster is gone (or about to be): nothing may find it, nor its keys."""
+        for name in HANDOFF:
+            _remove(self.path / name)
+
+    def submitted_at(self) -> float | None:
+        """When this job was submitted (less CLOCK_SLACK), from its submit.json; None for a run hpc-garage did
+        not submit. Files in it older than that are an earlier job's (a recycled id)."""
+        submitted = (self.submit_record() or {}).get("submitted")
+        return float(submitted) - CLOCK_SLACK if isinstance(submitted, (int, float)) else None
+
+    # ---- what `submit` leaves
+
+    @property
+    def submit_file(self) -> Path:
+        return self.path / SUBMIT_FILE
+
+    @property
+    def script_file(self) -> Path:
+        return self.path / SCRIPT_FILE
+
+    def submit_record(self) -> dict[str, Any] | None:
+        return read_json(self.submit_file)
+
+    def write_submit_record(self, record: dict[str, Any]) -> None:
+        write_json(self.submit_file, record, indent=2)
+
+    # ---- what `run` keeps up to date
+
+    @property
+    def state_file(self) -> Path:
+        return self.path / STATE_FILE
+
+    def state(self) -> dict[str, Any] | None:
+        return read_json(self.state_file)
+
+    def write_state(self, data: dict[str, Any]) -> None:
+        write_json(self.state_file, data)
+
+    @property
+    def report_file(self) -> Path:
+        return self.path / REPORT_FILE
+
+    @property
+    def doctor_file(self) -> Path:
+        return self.path / DOCTOR_FILE
+
+    # ---- the handoff and its cluster
+
+    @property
+    def scheduler_file(self) -> Path:
+        return self.path / SCHEDULER_FILE
+
+    @property
+    def dask_scheduler_file(self) -> Path:
+        return self.path / DASK_SCHEDULER_FILE
+
+    @property
+    def ranks_file(self) -> Path:
+        return self.path / RANKS_FILE
+
+    @property
+    def rank_records(self) -> Path:
+        return self.path / RANK_RECORDS_DIR
+
+    @property
+    def tls_dir(self) -> Path:
+        return self.path / TLS_DIR
+
+    def write_credentials(self) -> dict[str, str]:
+        """Fresh TLS credentials for this job only; returns the file paths as Security keyword arguments."""
+        from distributed.security import Security
+
+        temporary = Security.temporary()
+        self.tls_dir.mkdir(mode=0o700, exist_ok=True)
+        write_private(self.tls_dir / CERT_FILE, temporary.tls_ca_file)
+        write_private(self.tls_dir / KEY_FILE, temporary.tls_client_key)
+        return self.credential_paths()
+
+    def credential_paths(self) -> dict[str, str]:
+        """Where `write_credentials` puts them, as Security keyword arguments: known before they exist, so
+        workers and COMMAND can be started while the credentials (and the scheduler) are made."""
+        cert, key = str(self.tls_dir / CERT_FILE), str(self.tls_dir / KEY_FILE)
+        return {
+            "tls_ca_file": cert,
+            "tls_client_cert": cert,
+            "tls_client_key": key,
+            "tls_scheduler_cert": cert,
+            "tls_scheduler_key": key,
+            "tls_worker_cert": cert,
+            "tls_worker_key": key,
+        }
+
+    def publish(self, handoff: Published) -> Path:
+        """Write scheduler.json: the cluster is ready."""
+        write_json(self.scheduler_file, handoff.to_json(), indent=2)
+        return self.scheduler_file
+
+    # ---- the jobqueue launcher's
+
+    def worker_file(self, pool: str) -> Path:
+        """What a worker job of `pool` reads at start-up."""
+        return self.path / f"{WORKER_FILE_PREFIX}{pool}.json"
+
+    def worker_files(self) -> Iterator[Path]:
+        return self.path.glob(f"{WORKER_FILE_PREFIX}*.json")
+
+    @property
+    def worker_jobs_file(self) -> Path:
+        return self.path / WORKER_JOBS_FILE
+
+    @property
+    def worker_logs(self) -> Path:
+        return self.path / WORKER_LOG_DIR
+
+    def worker_log(self, job_name: str, job_id: str) -> Path:
+        """A worker job's log, as schedulers/slurm.py names it (`%x-%j.out` in worker_logs)."""
+        return self.worker_logs / f"{job_name}-{job_id}.out"
+
+    # ---- the flow's records
+
+    @property
+    def flow_runs_file(self) -> Path:
+        return self.path / FLOW_RUNS_FILE
+
+    def flow_runs(self) -> list[str]:
+        """The flow runs COMMAND noted (`note_flow_run`), each once, in order."""
+        try:
+            lines = self.flow_runs_file.read_text().splitlines()
+        except OSError:
+            return []
+        return list(dict.fromkeys(line.strip() for line in lines if line.strip()))
+
+    @property
+    def unrecorded_file(self) -> Path:
+        return self.path / UNRECORDED_FILE
+
+    @property
+    def unrecorded_dir(self) -> Path:
+        return self.path / UNRECORDED_DIR
+
+    def kept_file(self, kind: str, process: str) -> Path:
+        """Where process `process` (host-pid) keeps the `kind` ("events", "logs") the API did not get."""
+        return self.unrecorded_dir / f"{kind}-{process}{KEPT_SUFFIX}"
+
+    def kept_files(self) -> list[tuple[str, Path]]:
+        """(kind, file) of every process's kept records, in name order."""
+        return [(path.name.split("-", 1)[0], path) for path in sorted(self.unrecorded_dir.glob(f"*{KEPT_SUFFIX}"))]
+
+    @property
+    def kept_flow_states_file(self) -> Path:
+        return self.unrecorded_dir / KEPT_FLOW_STATES_FILE
+
+    @property
+    def replayed_file(self) -> Path:
+        return self.unrecorded_dir / REPLAYED_FILE
+
+
+def note_flow_run(flow_run_id: str, env: Mapping[str, str] | None = None) -> None:
+    """Under `hpc-garage run`: say which flow run COMMAND started, so that `run` can set it Crashed if COMMAND
+    is killed before Prefect could (even before any trial finished). Bookkeeping: never fails the flow."""
+    rundir = RunDir.of_this_run(env)
+    if rundir is None:
+        return
+    with contextlib.suppress(OSError):
+        append_private(rundir.flow_runs_file, [flow_run_id])
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)

@@ -1,0 +1,17 @@
+"""Submitting a job and following it: the mechanism every batch system shares, written once.
+
+A submission either completes or leaves nothing behind (`submitting.py`: prepare, submit with undo, resubmit,
+resume). Afterwards a job is known by its run directory (`finding.py`: find it across run roots, its state from
+the batch system and `state.json`, in a few words), and followed (`following.py`: wait, cancel, logs). How a
+terminal shows a job is the CLI's (`cli/status_text.py`); here is the data.
+"""
+
+from hpc_garage.schedulers.submission.finding import (JobView, check_job_id, find, lookup, progress_text, records,
+                                                      refresh, results_roots, run_dir_of, run_root, run_roots,
+                                                      status_all, sweep_text)
+from hpc_garage.schedulers.submission.following import SWEEP_SECONDS, cancel, log_files, logs, next_job_of, wait
+from hpc_garage.schedulers.submission.submitting import Prepared, Submitted, prepare, resubmit, resume, submit
+
+__all__ = ["JobView", "check_job_id", "find", "lookup", "progress_text", "records", "refresh", "results_roots",
+           "run_dir_of", "run_root", "run_roots", "status_all", "sweep_text", "SWEEP_SECONDS", "cancel", "log_files",
+           "logs", "next_job_of", "wait", "Prepared", "Submitted", "prepare", "resubmit", "resume", "submit"]

@@ -1,0 +1,131 @@
+"""The docs site and the README are kept true: the site builds strictly, its generated reference is current, the
+README is a front page that links every part, and the tutorial's commands print what the tutorial shows."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.doc_commands import blocks, matches, pattern, run_page
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+PARTS = ("tutorial/", "how-to/", "reference/", "explanation/", "benchmarks.md")
+
+
+def test_generated_reference_pages_are_current() -> None:
+    done = subprocess.run([sys.executable, "scripts/docs_gen.py", "--check"], cwd=ROOT, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_site_builds_strictly_with_its_four_parts_and_benchmarks(tmp_path: Path) -> None:
+    pytest.importorskip("mkdocs")
+    site = tmp_path / "site"
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for page in ("tutorial/index.html", "how-to/index.html", "reference/index.html", "explanation/index.html",
+                 "benchmarks/index.html", "reference/cli/index.html", "reference/api/index.html"):
+        assert (site / page).is_file(), page
+    # generated from click: every command is on the CLI page
+    from click import Group
+
+    from hpc_garage import cli
+
+    group = next(v for v in vars(cli).values() if isinstance(v, Group))
+    cli_page = (site / "reference/cli/index.html").read_text()
+    for name in group.list_commands(None):  # type: ignore[arg-type]
+        assert f"hpc-garage {name}" in cli_page, name
+    # offline: no page asks a font or script from the internet
+    index = (site / "index.html").read_text()
+    assert "fonts.googleapis.com" not in index
+
+
+def test_readme_is_a_front_page_that_links_every_part_of_the_docs() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 210
+    links = re.findall(r"\]\((docs/[^)#]+)", readme)
+    for part in PARTS:
+        assert any(link.startswith(f"docs/{part}") for link in links), part
+    for link in links:
+        assert (ROOT / link).exists(), link
+    # no measurement logs: dates of runs and load averages live in the benchmarks page
+    assert not re.search(r"load average|Measured 20\d\d|\(20\d\d-\d\d-\d\d", readme)
+
+
+def test_every_page_in_the_nav_exists_and_every_page_is_in_the_nav() -> None:
+    nav = (ROOT / "mkdocs.yml").read_text()
+    listed = set(re.findall(r"([\w./-]+\.md)", nav))
+    pages = {p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md")}
+    assert listed == pages, (sorted(listed - pages), sorted(pages - listed))
+
+
+# ---- the harness itself --------------------------------------------------------------------------------------
+
+def test_shown_output_matches_with_numbers_and_ellipses_free(tmp_path: Path) -> None:
+    assert pattern("submitted job 39 (site lab-gpu)").search("submitted job 112 (site lab-gpu)")
+    assert not pattern("submitted job 39 (site lab-gpu)").search("submitted job 112 (site lab-cpu)")
+    assert pattern("job 39 done | sweep: …").search("job 7 done | sweep: 8 done, 0 running")
+    ok, missing, jobs = matches(["submitted job 39 (site s)", "job 39 done"],
+                                ["noise", "submitted job 5 (site s)", "job 5 running", "job 5 done"])
+    assert ok and jobs == {"39": "5"}
+    ok, missing, _ = matches(["job 39 done", "submitted job 39"], ["submitted job 5", "job 5 done"])
+    assert not ok and missing == "submitted job 39"  # order counts
+
+
+def test_a_page_whose_output_drifted_fails(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text("<!-- test -->\n```console\n$ echo submitted job 12\nsubmitted job 39\n"
+                    "$ test 'status 39' = 'status 12' && echo mapped\nmapped\n```\n\n```console\n$ false\n```\n")
+    assert [len(b.steps) for b in blocks(page)] == [2]  # the unmarked block is not run
+    assert run_page(page, tmp_path, dict(os.environ), needs=set()) == []  # job 39 on the page is 12 here
+    page.write_text("<!-- test -->\n```console\n$ echo hello\ngoodbye\n```\n")
+    assert "did not print 'goodbye'" in run_page(page, tmp_path, dict(os.environ), needs=set())[0]
+
+
+# ---- the tutorial, end to end on the local SLURM -------------------------------------------------------------
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_the_tutorial_prints_what_it_shows(tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    shutil.copy(ROOT / "examples" / "sweep.py", work / "sweep.py")
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    failures = run_page(DOCS / "tutorial" / "index.md", work, env, needs={"slurm"})
+    assert not failures, "\n\n".join(failures)
+
+
+# ---- the built site in a real browser ------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_the_built_site_renders_in_chromium_with_screenshots_kept(tmp_path: Path) -> None:
+    """Debian's chromium, headless, opens the built site from disk (as a login node without internet would):
+    the front page and a how-to render with their navigation, code blocks and tables; screenshots are kept."""
+    pytest.importorskip("mkdocs")
+    from tests.browser import artifacts_dir, chromium_page
+
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)], cwd=ROOT,
+                   check=True, capture_output=True, timeout=300)
+    shots = artifacts_dir()
+    with chromium_page() as page:
+        page.goto((site / "index.html").as_uri())
+        assert page.locator("nav.md-nav").first.is_visible()
+        assert page.locator("article table").count() >= 1
+        assert "hpc-garage" in page.title()
+        page.screenshot(path=str(shots / "docs-front-page.png"), full_page=False)
+        page.goto((site / "how-to" / "site-file" / "index.html").as_uri())
+        assert page.locator("article pre code").count() >= 3
+        assert page.get_by_role("heading", name="1. Find what one node of the partition has").is_visible()
+        page.screenshot(path=str(shots / "docs-how-to-site-file.png"), full_page=False)
+    for name in ("docs-front-page.png", "docs-how-to-site-file.png"):
+        assert (shots / name).stat().st_size > 10_000, name

@@ -1,0 +1,243 @@
+"""The run directory (hpc_garage/rundir.py): one owner of every name in `<run root>/<job id>/`, of what a new
+job clears and a requeue keeps, and of its JSON."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import stat
+import time
+from pathlib import Path
+
+import pytest
+
+import hpc_garage
+from hpc_garage import rundir as rundir_module
+from hpc_garage.cluster.handoff import Handoff
+from hpc_garage.core.errors import UserError
+from hpc_garage.files import read_json
+from hpc_garage.rundir import CLOCK_SLACK, EARLIER_RUN, HANDOFF, RunDir, note_flow_run
+from hpc_garage.variables import RUN_DIR_ENV
+
+PACKAGE = Path(hpc_garage.__file__).parent
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+# ------------------------------------------------------------------------------------------- the names
+
+
+def test_every_path_in_a_run_directory_comes_from_the_run_dir(tmp_path: Path) -> None:
+    rundir = RunDir(tmp_path)
+    paths = {
+        rundir.submit_file: "submit.json", rundir.script_file: "job.sh", rundir.state_file: "state.json",
+        rundir.scheduler_file: "scheduler.json", rundir.dask_scheduler_file: "dask-scheduler.json",
+        rundir.ranks_file: "ranks.json", rundir.rank_records: "dask-mpi-ranks", rundir.tls_dir: "tls",
+        rundir.worker_file("gpu"): "jobqueue-gpu.json", rundir.worker_jobs_file: "worker-jobs.json",
+        rundir.worker_logs: "worker-logs", rundir.worker_log("hpcg-gpu-7", "12"): "worker-logs/hpcg-gpu-7-12.out",
+        rundir.flow_runs_file: "flow-runs", rundir.report_file: "report.json",
+        rundir.unrecorded_file: "unrecorded.json", rundir.unrecorded_dir: "unrecorded",
+        rundir.kept_flow_states_file: "unrecorded/flow-runs.json", rundir.replayed_file: "unrecorded/replayed.json",
+        rundir.kept_file("events", "h-1"): "unrecorded/events-h-1.jsonl",
+    }
+    assert {str(p.relative_to(tmp_path)): name for p, name in paths.items()} == {n: n for n in paths.values()}
+    assert set(rundir.credential_paths().values()) == {str(tmp_path / "tls" / "cert.pem"),
+                                                      str(tmp_path / "tls" / "key.pem")}
+    assert RunDir.for_job(tmp_path, "42").path == tmp_path / "42"
+
+
+def test_no_other_module_spells_a_name_in_the_run_directory() -> None:
+    """Each name (as a whole string) appears in rundir.py alone: a module that spells one again fails here,
+    naming file and line. ("tls" is left out: it is also the protocol's name.)"""
+    source = ast.parse(Path(rundir_module.__file__).read_text())
+    names = {node.value.value for node in source.body if isinstance(node, ast.Assign)
+             and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+             and node.targets[0].id != "TLS_DIR"}  # type: ignore[attr-defined]
+    assert {"submit.json", "state.json", "flow-runs", "jobqueue-", "replayed.json"} <= names
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "rundir.py" and path.parent == PACKAGE:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Constant) and node.value in names:
+                found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {node.value!r}")
+    assert not found, "spelled outside hpc_garage/rundir.py:\n" + "\n".join(found)
+
+
+def test_the_run_directory_of_this_run_comes_from_its_variable(tmp_path: Path) -> None:
+    assert RunDir.of_this_run({RUN_DIR_ENV: str(tmp_path)}) == RunDir(tmp_path)
+    assert RunDir.of_this_run({}) is None
+    assert RunDir.of_this_run({RUN_DIR_ENV: ""}) is None
+
+
+# ----------------------------------------------------------------------------- what a new job clears
+
+
+def test_run_clears_what_an_earlier_job_left_in_its_run_directory(tmp_path: Path) -> None:
+    """A recycled job id: a corrupt scheduler file, one that is a directory, old credentials are cleared, so
+    the new run's COMMAND never reads them."""
+    rundir = RunDir.for_job(tmp_path, "42")
+    rundir.path.mkdir()
+    (rundir.path / "scheduler.json").mkdir()
+    (rundir.path / "dask-scheduler.json").write_text('{"address": ')
+    (rundir.path / "tls").mkdir()
+    (rundir.path / "tls" / "key.pem").write_text("old")
+    (rundir.path / "submit.json").write_text("{}")  # the job's own record stays
+    rundir.create()
+    assert sorted(p.name for p in rundir.path.iterdir()) == ["submit.json"]
+
+
+def test_a_recycled_job_id_starts_with_no_flow_runs_or_records_of_the_earlier_job(tmp_path: Path) -> None:
+    """The flow runs the earlier job noted and what it kept for replay are cleared when they predate this
+    job's submission; a requeued job (the same submission) keeps its first start's, for replay."""
+    from hpc_garage.rundir import FLOW_RUNS_FILE, UNRECORDED_DIR, UNRECORDED_FILE
+
+    rundir = RunDir.for_job(tmp_path, "42")
+    rundir.path.mkdir()
+
+    def earlier_jobs_files() -> None:
+        (rundir.path / FLOW_RUNS_FILE).write_text("1f0c\n")
+        (rundir.path / UNRECORDED_FILE).write_text("{}")
+        (rundir.path / UNRECORDED_DIR).mkdir(exist_ok=True)
+        (rundir.path / UNRECORDED_DIR / "events-h-1.jsonl").write_text("{}\n")
+
+    earlier_jobs_files()
+    rundir.create(submitted=time.time() - 3600)  # submitted before they were written: this job's own (requeued)
+    assert sorted(p.name for p in rundir.path.iterdir()) == sorted([FLOW_RUNS_FILE, UNRECORDED_FILE, UNRECORDED_DIR])
+    rundir.create(submitted=time.time() + 10)  # submitted after: an earlier job's
+    assert list(rundir.path.iterdir()) == []
+    earlier_jobs_files()
+    rundir.create(submitted=None)  # a run hpc-garage did not submit: nothing tells, nothing is removed
+    assert len(list(rundir.path.iterdir())) == 3
+
+
+def test_a_requeue_keeps_the_jobs_own_records_and_clears_only_the_handoff(tmp_path: Path) -> None:
+    """The same job started again (requeued after a node failure): its submission is older than what its
+    first start wrote, so its records stay for replay; the first start's cluster does not."""
+    rundir = RunDir.for_job(tmp_path, "42")
+    rundir.path.mkdir()
+    rundir.write_submit_record({"job_id": "42", "submitted": time.time()})
+    rundir.script_file.write_text("#!/bin/sh\n")
+    for name in HANDOFF:
+        (rundir.path / name).write_text("first start's")
+    note_flow_run("1f0c", {RUN_DIR_ENV: str(rundir.path)})
+    rundir.unrecorded_dir.mkdir()
+    rundir.kept_file("events", "h-1").write_text("{}\n")
+    rundir.write_state({"phase": "running"})
+    rundir.create(rundir.submitted_at())
+    assert sorted(p.name for p in rundir.path.iterdir()) == sorted(
+        ["submit.json", "job.sh", "flow-runs", "unrecorded", "state.json"])
+    assert rundir.flow_runs() == ["1f0c"]
+
+
+def test_the_end_of_a_run_removes_its_cluster_and_keeps_its_records(tmp_path: Path) -> None:
+    """One list for the start and the end: the handoff (address, keys, rank file) goes, the rest stays."""
+    rundir = RunDir(tmp_path / "42").create()
+    rundir.write_credentials()
+    rundir.dask_scheduler_file.write_text("{}")
+    rundir.ranks_file.write_text("{}")
+    rundir.publish(_handoff("42"))
+    kept = [rundir.state_file, rundir.report_file, rundir.flow_runs_file, rundir.submit_file, rundir.unrecorded_file]
+    for path in kept:
+        path.write_text("{}")
+    rundir.clear_handoff()
+    assert sorted(rundir.path.iterdir()) == sorted(kept)
+    assert set(HANDOFF) == {"scheduler.json", "dask-scheduler.json", "tls", "ranks.json"}
+    assert not set(HANDOFF) & set(EARLIER_RUN)
+
+
+# ------------------------------------------------------------------------------------------ private
+
+
+def test_the_directory_and_its_files_are_private(tmp_path: Path) -> None:
+    loose = tmp_path / "42"
+    loose.mkdir(mode=0o755)
+    os.chmod(loose, 0o755)
+    rundir = RunDir(loose).create()
+    assert _mode(rundir.path) == 0o700
+    rundir.write_credentials()
+    assert _mode(rundir.tls_dir) == 0o700
+    assert {_mode(Path(p)) for p in rundir.credential_paths().values()} == {0o600}
+    rundir.write_state({"phase": "starting"})
+    rundir.write_submit_record({"job_id": "42"})
+    rundir.publish(_handoff("42"))
+    note_flow_run("1f0c", {RUN_DIR_ENV: str(rundir.path)})
+    for path in (rundir.state_file, rundir.submit_file, rundir.scheduler_file, rundir.flow_runs_file):
+        assert _mode(path) == 0o600, path
+
+
+# --------------------------------------------------------------------------------------------- JSON
+
+
+def test_json_round_trips(tmp_path: Path) -> None:
+    rundir = RunDir(tmp_path / "42").create()
+    state = {"phase": "running", "workers": 3, "progress": {"done": 2}}
+    rundir.write_state(state)
+    assert rundir.state() == state
+    submitted = time.time()
+    rundir.write_submit_record({"job_id": "42", "submitted": submitted})
+    assert rundir.submit_record() == {"job_id": "42", "submitted": submitted}
+    assert rundir.submitted_at() == pytest.approx(submitted - CLOCK_SLACK)
+    path = rundir.publish(_handoff("42"))
+    back = Handoff.read(path, expect_job="42")
+    assert (back.address, back.job_id, back.workers) == ("tcp://127.0.0.1:8786", "42", ["w0"])
+    assert json.loads(path.read_text())["address"] == "tcp://127.0.0.1:8786"  # Dask's scheduler-file format
+
+
+def test_flow_runs_are_noted_once_each_and_only_under_run(tmp_path: Path) -> None:
+    rundir = RunDir(tmp_path / "42").create()
+    assert rundir.flow_runs() == []
+    for flow_run in ("a", "b", "a"):
+        note_flow_run(flow_run, {RUN_DIR_ENV: str(rundir.path)})
+    assert rundir.flow_runs() == ["a", "b"]
+    note_flow_run("c", {})  # not under `run`: nowhere to note it, and no error
+    assert rundir.flow_runs() == ["a", "b"]
+
+
+def test_kept_records_are_listed_by_kind(tmp_path: Path) -> None:
+    rundir = RunDir(tmp_path).create()
+    rundir.unrecorded_dir.mkdir()
+    for kind, process in (("logs", "h-2"), ("events", "h-1")):
+        rundir.kept_file(kind, process).write_text("{}\n")
+    rundir.kept_flow_states_file.write_text("{}")  # not a kept record: states are read by name
+    assert [(kind, p.name) for kind, p in rundir.kept_files()] == [("events", "events-h-1.jsonl"),
+                                                                  ("logs", "logs-h-2.jsonl")]
+
+
+@pytest.mark.parametrize("text", ['{"phase": ', "[1, 2]", "\udcff", ""])
+def test_a_broken_json_file_is_read_as_none(tmp_path: Path, text: str) -> None:
+    """Half-written (its writer killed), not an object, not text, empty: none of it is a record."""
+    rundir = RunDir(tmp_path / "42").create()
+    for path in (rundir.state_file, rundir.submit_file):
+        path.write_bytes(text.encode(errors="surrogateescape"))
+    assert rundir.state() is None and rundir.submit_record() is None and rundir.submitted_at() is None
+    assert read_json(tmp_path / "missing.json") is None
+    assert read_json(rundir.path) is None  # a directory
+
+
+def test_a_broken_json_file_that_matters_is_refused_in_one_line(tmp_path: Path) -> None:
+    """`hpc-garage replay` reads what the flow kept: a broken file there is named, not skipped."""
+    path = RunDir(tmp_path).unrecorded_file
+    path.write_text('{"events_kept": ')
+    with pytest.raises(UserError) as refused:
+        read_json(path, broken="it was written by the job's flow")
+    message = str(refused.value)
+    assert message.startswith(f"{path} cannot be read (") and "written by the job's flow" in message
+    assert "\n" not in message
+    assert read_json(tmp_path / "missing.json", broken="never said") is None  # missing is not broken
+
+
+def test_a_broken_submit_record_clears_nothing_of_the_jobs_records(tmp_path: Path) -> None:
+    """Without a readable submission time nothing tells an earlier job's records from this one's: kept."""
+    rundir = RunDir(tmp_path / "42").create()
+    rundir.submit_file.write_text('{"submitted": ')
+    note_flow_run("1f0c", {RUN_DIR_ENV: str(rundir.path)})
+    rundir.create(rundir.submitted_at())
+    assert rundir.flow_runs() == ["1f0c"]
+
+
+def _handoff(job_id: str) -> Handoff:
+    return Handoff(address="tcp://127.0.0.1:8786", job_id=job_id, workers=["w0"])
