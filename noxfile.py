@@ -2,26 +2,29 @@
 CI it runs `oldest` beside its main run (which is on the newest verified versions: it upgrades them).
 
     nox -s oldest   the fast tests, then one real SLURM sweep, on the OLDEST versions hpc-garage is verified on: the
-                    lower bound of each range in pyproject.toml (Prefect, prefect-dask, distributed, dask,
-                    dask-jobqueue; tests/test_compat.py holds those ranges equal to hpc_garage/compat.py's)
+                    lower bound of each range in hpc_garage/compat.py's VERIFIED (Prefect, prefect-dask,
+                    distributed and so dask, dask-jobqueue; tests/test_compat.py holds pyproject.toml's equal)
     nox -s newest   the same on the newest releases inside those ranges
 
 Each session has a virtual environment of its own (.nox/NAME) that sees the interpreter's packages
-(--system-site-packages) and installs only what differs, with a constraints file written from pyproject.toml
+(--system-site-packages) and installs only what differs, with a constraints file written from those ranges
 into it: ~30 s the first time, a few seconds when reused. `nox -s oldest -- fast` runs the fast tests alone,
-`-- sweep` the sweep alone (either with more pytest arguments after it), `-- PYTEST ARGS` those tests instead. Everything the tests start in Python (the server keeper, node processes, job scripts) runs the
-session's interpreter, so the SLURM sweep's job runs on the oldest versions too.
+`-- sweep` the sweep alone (either with more pytest arguments after it), `-- PYTEST ARGS` those tests instead.
+Everything the tests start in Python (the server keeper, node processes, job scripts) runs the session's
+interpreter, so the SLURM sweep's job runs on the oldest versions too.
 """
 
 from __future__ import annotations
 
-import re
-import tomllib
+import sys
 from pathlib import Path
 
 import nox
 
 ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+from hpc_garage.compat import VERIFIED  # noqa: E402  (standard library only; equal to pyproject.toml's bounds)
+
 # one real sweep on the local SLURM: `submit`, the job script, two nodes of two GPUs, the managed Prefect server,
 # the task runner's fast path and placement, the job's own interpreter (the session's)
 SWEEP = "tests/test_e2e.py::test_two_nodes_two_gpus_each_run_experiments_on_both"
@@ -32,12 +35,8 @@ nox.options.reuse_existing_virtualenvs = True  # what the constraints change is 
 
 
 def verified_ranges() -> dict[str, tuple[str, str]]:
-    """pyproject.toml's dependencies with both bounds (`name>=low,<high`): the ranges verified."""
-    ranges = {}
-    for dependency in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]:
-        if found := re.fullmatch(r"([A-Za-z0-9_.-]+)>=([\w.]+),<([\w.]+)", dependency.replace(" ", "")):
-            ranges[found[1].lower()] = (found[2], found[3])
-    return ranges
+    """The ranges verified: compat.VERIFIED, and dask, which moves with distributed (pyproject.toml)."""
+    return {**VERIFIED, "dask": VERIFIED["distributed"]}
 
 
 def _run_tests(session: nox.Session, constraints: list[str], *upgrade: str) -> None:

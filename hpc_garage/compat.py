@@ -225,6 +225,33 @@ def pause_workers(scheduler: Any) -> int:
     return paused
 
 
+@uses("distributed", "op run (Client.run's message to workers) / Scheduler.broadcast / Serialized")
+async def run_on_workers(scheduler: Any, function: Any, *args: Any, timeout: float = 10.0) -> dict[str, Any]:
+    """`function(*args)` on every worker, from the scheduler's own process, as Client.run does it (the
+    scheduler has no client of its own): {worker address: its answer}; a worker that fails or does not
+    answer within `timeout` is left out. `function` is pickled by reference: it must be importable there."""
+    import asyncio
+
+    from distributed.protocol import deserialize, pickle
+    from distributed.protocol.serialize import Serialized
+
+    msg = {"op": "run", "function": pickle.dumps(function), "args": pickle.dumps(args),
+           "kwargs": pickle.dumps({}), "wait": True}
+    try:
+        answers = await asyncio.wait_for(scheduler.broadcast(msg=msg, on_error="ignore"), timeout)
+    except (asyncio.TimeoutError, OSError):
+        return {}
+    found: dict[str, Any] = {}
+    for address, answer in answers.items():
+        if not isinstance(answer, dict) or answer.get("status") != "OK":
+            continue
+        result = answer.get("result")
+        if isinstance(result, Serialized):
+            result = deserialize(result.header, result.frames)
+        found[address] = result
+    return found
+
+
 @uses("distributed", "Scheduler._instances")
 def scheduler_at(address: str) -> Any:
     """The Scheduler object in this process listening at `address`, or None. (The jobqueue launcher

@@ -43,7 +43,7 @@ IMPURE = re.compile(r"\bos\.environ\b|\bos\.getenv\b|\bexpandvars\b|\bsubprocess
 # alone, and what it reaches counts as the importer's own reach. ARCHITECTURE.md's table says the same (checked).
 FLOOR = {"core", "variables", "log", "files", "rundir", "sites", "sweeps"}
 PREFECT_SIDE = {"core", "variables", "log", "files", "rundir", "prefect_api", "compat", "cluster.handoff",
-                "schedulers.job_env"}
+                "cluster.stopping", "schedulers.job_env"}
 LAYERS: dict[str, set[str]] = {
     "core": set(),
     "_version": set(),
@@ -62,9 +62,10 @@ LAYERS: dict[str, set[str]] = {
     # `hpc-garage doctor`: above `run` (it submits and follows a job), and the managed server (lazily)
     "doctor": FLOOR | {"compat", "schedulers", "launchers", "prefect_api", "cluster", "prefect"},
     # the `hpc-garage` work-pool type Prefect loads (entry point): prefect/pool_worker.py + schedulers/flow_run_jobs.py
-    "work_pool": FLOOR | {"compat", "schedulers", "prefect_api", "cluster.handoff", "prefect"},
+    "work_pool": FLOOR | {"compat", "schedulers", "prefect_api", "cluster.handoff", "cluster.stopping", "prefect"},
     "cli": FLOOR | {"compat", "schedulers", "launchers", "prefect_api", "cluster", "prefect", "work_pool", "doctor"},
     "__init__": PREFECT_SIDE | {"prefect"},  # the package root: resources(), task_runner()
+    "trial": PREFECT_SIDE | {"prefect"},  # the per-trial API: checkpoint_dir(), should_stop(), Interrupted
 }
 LAYERS["__main__"] = LAYERS["cli"] | {"cli"}  # `python -m hpc_garage`: the CLI
 # Dotted names a module spells without loading them (or for a loader elsewhere): not followed as its reach; the

@@ -107,6 +107,7 @@ def states(s: Scheduler, futures: list[Any]) -> Counter[str]:
 # --------------------------------------------------------------------------------------- the behaviour
 
 
+@pytest.mark.slow  # a Dask scheduler (and workers) in this process
 def test_restricted_tasks_wait_on_the_scheduler_until_their_resource_frees() -> None:
     async def main() -> None:
         async with cluster([{"resources": GPU}, {"resources": GPU}]) as (s, workers, c, watch):
@@ -123,6 +124,7 @@ def test_restricted_tasks_wait_on_the_scheduler_until_their_resource_frees() -> 
     run(main)
 
 
+@pytest.mark.slow  # a Dask scheduler (and workers) in this process
 def test_a_busy_gpu_keeps_no_task_from_a_free_one() -> None:
     """The benchmark's failure in small: trials of one name were short so far (a warm-up), one of them now
     runs long. Plain Dask, going by the short estimate, assigns every other trial submitted with it to the
@@ -145,6 +147,7 @@ def test_a_busy_gpu_keeps_no_task_from_a_free_one() -> None:
     run(main)
 
 
+@pytest.mark.slow  # a Dask scheduler (and workers) in this process
 def test_equal_trials_spread_evenly_after_a_misleading_warm_up() -> None:
     """The packing benchmark's shape: 8 one-GPU workers, a warm-up of short trials of the same name (wrong
     duration estimates), then 48 trials submitted one by one next to 16 unrestricted ones."""
@@ -169,6 +172,7 @@ def test_equal_trials_spread_evenly_after_a_misleading_warm_up() -> None:
     run(main)
 
 
+@pytest.mark.slow  # a Dask scheduler (and workers) in this process
 def test_tags_still_decide_which_workers_may_take_a_task() -> None:
     async def main() -> None:
         shapes = [{"resources": {"GPU": 1, "MEMORY": 4e9}, "name": "big"}, {"resources": GPU, "name": "gpu"},
@@ -187,6 +191,7 @@ def test_tags_still_decide_which_workers_may_take_a_task() -> None:
     run(main)
 
 
+@pytest.mark.slow  # a Dask scheduler (and workers) in this process
 def test_failures_and_retries_still_work_and_free_the_resource(tmp_path: Path) -> None:
     marker = str(tmp_path / "tried")
 
@@ -213,6 +218,7 @@ def test_failures_and_retries_still_work_and_free_the_resource(tmp_path: Path) -
     run(main)
 
 
+@pytest.mark.slow  # a Dask scheduler (and workers) in this process
 def test_held_tasks_go_to_workers_that_join_and_leave_with_workers_that_go() -> None:
     async def main() -> None:
         async with cluster([{"resources": {"CPU": 2}}]) as (s, workers, c, _):
@@ -233,6 +239,7 @@ def test_held_tasks_go_to_workers_that_join_and_leave_with_workers_that_go() -> 
     run(main)
 
 
+@pytest.mark.slow  # a Dask scheduler (and workers) in this process
 def test_waiting_for_a_busy_gpu_is_not_a_no_workers_timeout() -> None:
     """`no-workers-timeout` fails tasks no worker can take; a task only waiting its turn must not fail."""
 
@@ -249,6 +256,7 @@ def test_waiting_for_a_busy_gpu_is_not_a_no_workers_timeout() -> None:
     run(main)
 
 
+@pytest.mark.slow  # a Dask scheduler (and workers) in this process
 def test_installing_twice_keeps_one_plugin() -> None:
     async def main() -> None:
         async with Scheduler(host="127.0.0.1", port=0, dashboard_address=":0") as s:
@@ -259,6 +267,7 @@ def test_installing_twice_keeps_one_plugin() -> None:
     run(main)
 
 
+@pytest.mark.slow  # a Dask scheduler (and workers) in this process
 def test_the_local_cluster_scheduler_has_it() -> None:
     from hpc_garage.cluster.local import cluster_specs
 

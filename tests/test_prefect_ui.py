@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pytest
 
+from hpc_garage.cli.status_text import progress_links
 from hpc_garage.cluster.progress import managed_server, prefect_ui_url
 from hpc_garage.core.errors import UserError
 from hpc_garage.core.tunnel import ssh_tunnel
 from hpc_garage.prefect import server as prefect_server
-from hpc_garage.cli.status_text import progress_links
 
 ROOT = Path(__file__).resolve().parent.parent
 VIEW_AT = re.compile(r"View at (http\S+/runs/flow-run/([0-9a-f-]{36}))")

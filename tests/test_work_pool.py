@@ -340,3 +340,87 @@ def test_a_sweep_past_its_walltime_goes_on_in_a_follow_up_job_as_the_same_flow_r
     history = garage.call("GET", f"/flow_run_states/?flow_run_id={flow_run_id}")
     continued = [s["message"] for s in history if s["type"] == "PENDING" and "continues in job" in (s["message"] or "")]
     assert continued, [(s["type"], s["message"]) for s in history]
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_the_pools_concurrency_limit_holds_while_jobs_queue_and_run(garage: Garage) -> None:
+    """Limit 1: a flow run counts as Pending while its job queues and Running while it runs (Prefect's own
+    limit then keeps the second flow run Scheduled); the second job is submitted only after the first."""
+    garage.call("PATCH", f"/work_pools/{POOL}", {"concurrency_limit": 1})
+    try:
+        first, second = (garage.run({"seeds": 1, "lrs": [0.1], "duration": 3, "out": "/dev/null"},
+                                    {"nodes": 1, "gpus_per_node": 1}) for _ in range(2))
+        done = [garage.wait(r, lambda r: r["state_type"] in ("COMPLETED", "FAILED", "CRASHED"), 600, "final")
+                for r in (first, second)]
+        assert [d["state_type"] for d in done] == ["COMPLETED", "COMPLETED"]
+        (job1,), (job2,) = garage.records(first), garage.records(second)
+        runs = sorted((job1, job2), key=lambda r: r["submitted"])
+        ended = json.loads((garage.home / ".hpc-garage" / "runs" / runs[0]["job_id"] / "state.json").read_text())
+        assert runs[1]["submitted"] >= ended["updated"] - 5, "the second job was submitted while the first ran"
+    finally:
+        garage.call("PATCH", f"/work_pools/{POOL}", {"concurrency_limit": None})
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_run_once_submits_and_exits_and_a_later_call_settles_the_job(garage: Garage) -> None:
+    """For sites that end long login-node processes: `hpc-garage worker --run-once` from cron or scrontab."""
+    garage.worker.send_signal(signal.SIGINT)  # no long-running worker from here on
+    garage.worker.wait(60)
+    once = [PY, "-m", "hpc_garage", "worker", "--pool", POOL, "--run-once"]
+    flow_run_id = garage.run({"seeds": 1, "lrs": [0.1], "duration": 60, "out": "/dev/null"},
+                             {"nodes": 1, "gpus_per_node": 1})
+    done = subprocess.run(once, env=garage.env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0 and "submitted job" in done.stdout + done.stderr, done.stdout + done.stderr
+    (record,) = garage.records(flow_run_id)
+    assert _queued(record["job_id"]) and garage.flow_run(flow_run_id)["infrastructure_pid"] == record["job_id"]
+    subprocess.run(["scancel", record["job_id"]], check=True)
+    deadline = time.monotonic() + 60
+    while _queued(record["job_id"]) and time.monotonic() < deadline:
+        time.sleep(1)
+    again = subprocess.run(once, env=garage.env, capture_output=True, text=True, timeout=180)
+    assert again.returncode == 0, again.stdout + again.stderr
+    run = garage.flow_run(flow_run_id)
+    assert run["state_type"] == "CRASHED" and run["state"]["message"].startswith(f"job {record['job_id']} ended")
+    assert len(garage.records(flow_run_id)) == 1
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_a_worker_that_loses_its_own_api_keeps_its_job_and_catches_up(tmp_path: Path) -> None:
+    """The user's own Prefect server (PREFECT_API_URL): it dies while the flow run's job waits in the queue
+    (`--begin=now+60`) and comes back on the same address; the worker, alive throughout, follows the job to
+    the flow run's end, and submitted it once."""
+    from tests.test_prefect_faults import Server
+
+    server = Server(tmp_path / "prefect-home")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "PBS_", "HPC_GARAGE", "PREFECT"))}
+    env |= {"HOME": str(tmp_path), "PREFECT_API_URL": server.url, "PREFECT_WORKER_QUERY_SECONDS": "2"}
+    garage = Garage(tmp_path, env, server.url, "", tmp_path / "worker.log")
+    try:
+        garage.start_worker()
+        deadline = time.monotonic() + 180
+        while "started!" not in (garage.log.read_text() if garage.log.exists() else ""):
+            assert garage.worker.poll() is None and time.monotonic() < deadline, garage.log.read_text()[-3000:]
+            time.sleep(0.5)
+        deploy = ("from prefect import flow; "
+                  f"flow.from_source(source={str(ROOT / 'examples')!r}, entrypoint='sweep.py:sweep').deploy("
+                  f"name='gpu', work_pool_name={POOL!r}, parameters={{'gpu': 'yes', 'duration': 0.3}})")
+        done = subprocess.run([PY, "-c", deploy], env=env, capture_output=True, text=True, timeout=180)
+        assert done.returncode == 0, done.stderr[-3000:]
+        flow_run_id = garage.run({"seeds": 1, "lrs": [0.1], "out": "/dev/null"},
+                                 {"nodes": 1, "gpus_per_node": 1, "scheduler_options": ["--begin=now+60"]})
+        job = garage.wait(flow_run_id, lambda r: r["infrastructure_pid"], 120, "a job")["infrastructure_pid"]
+        server.kill()
+        time.sleep(20)  # the worker's calls fail; the job waits for its start time
+        assert garage.worker.poll() is None, garage.log.read_text()[-3000:]
+        server.start()
+        run = garage.wait(flow_run_id, lambda r: r["state_type"] in ("COMPLETED", "FAILED", "CRASHED"), 400, "final")
+        assert run["state_type"] == "COMPLETED", run["state"]
+        assert [r["job_id"] for r in garage.records(flow_run_id)] == [job]
+    finally:
+        if garage.worker is not None and garage.worker.poll() is None:
+            garage.worker.kill()
+        server.kill()
+

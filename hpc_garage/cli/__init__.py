@@ -6,6 +6,8 @@ Where each command lives (a new one goes in the module of its group, and into `C
 - `cli/server.py`   worker, and the `server` group (status, stop, auth): Prefect's side
 - `cli/options.py`  what commands share: `options.command` (refuses an option given twice, `exclusive`
                     options), option values (memory, walltime, seconds, host), flags → Request
+- `cli/status_text.py`  how a terminal shows jobs: `status` lines and table, where to look while a job runs
+                    (Prefect UI, dashboard, `ssh -L` lines), `--wait`'s line (the data: schedulers/submission)
 - here              the group, its own options (`--version`), and one line and exit 2 for every refusal
 """
 

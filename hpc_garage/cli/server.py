@@ -44,7 +44,8 @@ def server() -> None:
 @click.option("--host", default="127.0.0.1", show_default=True, callback=lambda ctx, param, value: options.host(value),
               help="Address the server listens on.")
 def server_status(host: str) -> None:
-    """Say whether the shared Prefect server runs: where, its database, uptime and idle time."""
+    """Say whether the shared Prefect server runs: where, its database, uptime and idle time, and its UI: the
+    address, the `ssh -L` line from a laptop, and how to read the auth string its login page asks for."""
     from hpc_garage.prefect.server import server_status as status
 
     click.echo(json.dumps(status(host), indent=2))

@@ -18,6 +18,7 @@ import shutil
 import signal
 import threading
 import time
+from pathlib import Path
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -123,8 +124,8 @@ def run(site: Site, command: list[str], *, insecure: bool = False, timeout: floa
     logger.info(f"sweep {swept.key} (results in {swept.results})")
     rundir = RunDir.for_job(site.run_directory, job_id)
     rundir.create(rundir.submitted_at())  # a recycled job id: what the earlier job left is cleared
-    ending = (_wind_down(site, env, job_id, rundir) if in_job
-              else _run_deadline(site, job_id, walltime) if walltime is not None else None)
+    ending = (_wind_down(site, env, job_id, rundir, Path(swept.results)) if in_job
+              else _run_deadline(site, job_id, walltime, Path(swept.results)) if walltime is not None else None)
     try:
         return asyncio.run(_serve(site, layout_, launcher, rundir, job_id, command, env, insecure, timeout, api,
                                   swept, ending, preload))
@@ -249,7 +250,10 @@ async def _command_code(run: _Run) -> int:
     """COMMAND's exit code as `run` exits with it: never 0 when a lost node or the job's end stopped it."""
     assert run.proc is not None
     code = run.nodes.exit_code(await _command_exit(run.proc))
-    return run.ending.exit_code(code) if run.ending is not None else code
+    if run.ending is None:
+        return code
+    await run.ending.settled()  # a wind-down under way decides first (follow-up job, interrupted trials)
+    return run.ending.exit_code(code)
 
 
 async def _tear_down(run: _Run) -> None:
@@ -301,7 +305,7 @@ def _crash_open_flow_runs(progress: Any, code: int | None) -> None:
             logger.info(f"flow run {flow_run}: could not check its state in Prefect's API ({exc})")
 
 
-def _wind_down(site: Site, env: Mapping[str, str], job_id: str, rundir: RunDir) -> WindDown:
+def _wind_down(site: Site, env: Mapping[str, str], job_id: str, rundir: RunDir, results: Path) -> WindDown:
     """The watch on this job's end: its time left from the batch system; a follow-up job from its own
     script (`submit` saved it) where the site says `requeue: auto`."""
     from hpc_garage.schedulers import detect
@@ -318,13 +322,13 @@ def _wind_down(site: Site, env: Mapping[str, str], job_id: str, rundir: RunDir) 
         with contextlib.suppress(Exception):
             batch.run(batch.cancel_argv(other))
 
-    return WindDown(site, job_id, lambda: batch.time_left(job_id), follow_up, cancel)
+    return WindDown(site, job_id, lambda: batch.time_left(job_id), follow_up, cancel, results)
 
 
-def _run_deadline(site: Site, job_id: str, walltime: int) -> WindDown:
+def _run_deadline(site: Site, job_id: str, walltime: int, results: Path) -> WindDown:
     """The watch on a run outside a batch job that was given a walltime: its end is `walltime` from now."""
     end = time.time() + walltime
-    return WindDown(site, job_id, lambda: (end - time.time(), float(walltime)), None, lambda other: None)
+    return WindDown(site, job_id, lambda: (end - time.time(), float(walltime)), None, lambda other: None, results)
 
 
 def _import_in_background(modules: list[str]) -> threading.Thread:

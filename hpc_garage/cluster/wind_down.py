@@ -5,24 +5,39 @@ instead asks the batch system how long the job has left (squeue %L, qstat -f; ne
 and `margin` seconds plus the longest trial seen so far before the end (at once when the batch system sends
 the site's warning signal) it winds down:
 1. every worker is paused: running trials go on, no trial starts (it could not finish; it runs in the next
-   job instead, read back from nothing since it never finished);
-2. with the site's `requeue: auto`, a follow-up job is submitted now, from this job's own script, to start
-   once this job has ended (`afterany`), so the sweep goes on with nobody watching;
-3. when the running trials are done (their results are persisted, core/sweep.py), or `grace` seconds
-   before the end, COMMAND is stopped and `run` tears down as usual.
+   job instead, read back from nothing since it never finished); the running trials are told to stop
+   (`hpc_garage.trial.should_stop()`, cluster/stopping.py), at least the site's `checkpoint_grace` before
+   they would be killed, so that a trial that checkpoints saves its state and raises `Interrupted`;
+2. when the running trials are done (their results are persisted, core/sweep.py), or `grace` seconds
+   before the end, each trial still unfinished is recorded as interrupted (`.trials/<key>.json` in the
+   epoch's results: how often, whether it wrote a new checkpoint since it started, the work lost since
+   its last one);
+3. with the site's `requeue: auto`, a follow-up job is submitted from this job's own script, to start once
+   this job has ended (`afterany`), so the sweep goes on with nobody watching: but only where this job got
+   somewhere (a trial finished or checkpointed) or an interrupted trial may still be continued. A trial
+   interrupted more than `max_continuations` jobs in a row without a new checkpoint is not: when only such
+   trials are left, the chain ends, naming them ("longer than the walltime and never checkpoints"), and
+   `run` exits EX_TEMPFAIL;
+4. COMMAND is stopped and `run` tears down as usual.
 A COMMAND that finishes on its own meanwhile finished the sweep: the follow-up job is cancelled.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
 import signal
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from hpc_garage.cluster.stopping import CHECKPOINTS_DIR, TRIALS_DIR
 from hpc_garage.core.site import Site
+from hpc_garage.files import write_private
 
 EX_TEMPFAIL = 75  # sysexits: the sweep stopped short and can be resumed
 RECHECK_SECONDS = 300.0  # the time left is asked again this often (an admin may extend a job)
@@ -39,13 +54,65 @@ def margin_for(site: Site, limit: float) -> float:
     return min(wanted, limit / 2)
 
 
+def lead_for(margin: float, checkpoint_grace: float, limit: float) -> float:
+    """Seconds before the end at which the trials are told to stop: the margin, or more where the trials'
+    checkpoint grace would not fit before they are killed (`margin / 2` before the end); never more than
+    half the limit."""
+    return min(max(margin, checkpoint_grace + margin / 2), max(margin, limit / 2))
+
+
+NEVER_CHECKPOINTS = "longer than the walltime and never checkpoints"
+
+
+@dataclass(frozen=True)
+class Unfinished:
+    """A trial still running when its job wound down, as the job saw it end."""
+
+    trial: str  # its result key (the sweep cache's), or `task:<name>` for a task the sweep does not cache
+    task: str
+    started: float  # when it started in this job (epoch seconds)
+    checkpoint: float | None  # when its newest checkpoint was written, if it has one
+
+
+def interruption(before: dict[str, Any] | None, trial: Unfinished, job_id: str, now: float,
+                 max_continuations: int) -> dict[str, Any]:
+    """The trial's record after this interruption. Progress: a checkpoint written since it started in this
+    job; the work lost: the time since its newest checkpoint (since its start, without progress). Given up:
+    more than `max_continuations` interruptions in a row without progress."""
+    record = dict(before or {"task": trial.task, "trial": trial.trial, "interruptions": []})
+    progress = trial.checkpoint is not None and trial.checkpoint >= trial.started
+    lost = now - (trial.checkpoint if progress and trial.checkpoint is not None else trial.started)
+    record["interruptions"] = [*record.get("interruptions", []),
+                               {"job": job_id, "at": now, "progress": progress, "lost": round(max(lost, 0.0), 1)}]
+    record["without_progress"] = 0 if progress else int(record.get("without_progress", 0)) + 1
+    record["checkpointed"] = bool(record.get("checkpointed")) or trial.checkpoint is not None
+    if record["without_progress"] > max_continuations:
+        record["gave_up"] = (NEVER_CHECKPOINTS if not record["checkpointed"]
+                             else f"no new checkpoint in {record['without_progress']} jobs in a row")
+    else:
+        record.pop("gave_up", None)
+    return record
+
+
+def follow_up_needed(records: list[dict[str, Any]], new_results: int) -> bool:
+    """Whether another job would get further: this one stored a result, or some interrupted trial made
+    progress or may still be continued."""
+    return new_results > 0 or any(r["interruptions"][-1]["progress"] or "gave_up" not in r for r in records)
+
+
 class WindDown:
     """One run's watch on its job's end; `exit_code` says what the run ends with."""
 
     def __init__(self, site: Site, job_id: str, time_left: Callable[[], tuple[float, float] | None] | None,
-                 follow_up: Callable[[], str] | None, cancel: Callable[[str], None]) -> None:
+                 follow_up: Callable[[], str] | None, cancel: Callable[[str], None],
+                 results: Path | None = None) -> None:
         self.site = site
         self.job_id = job_id
+        self.results = results  # the epoch's results directory: interrupted trials' records, checkpoints
+        self._kept = _results_in(results)  # results the epoch had when this job began
+        self._lead = 0.0
+        self.winding = False  # the trials were told to stop
+        self.gave_up: list[dict[str, Any]] = []  # trials this job's end stopped continuing
         self._time_left = time_left  # None: no batch job, no end
         self._follow_up = follow_up  # submits the follow-up job, gives its id; None: requeue: never
         self._cancel = cancel
@@ -83,7 +150,7 @@ class WindDown:
     def exit_code(self, command_code: int) -> int:
         """COMMAND's code, unless the wind-down stopped it: 0 when a follow-up job carries the sweep on,
         else EX_TEMPFAIL (resume it). A COMMAND that finished by itself needs no follow-up job."""
-        if not self.stopped:
+        if not self.stopped and not (self.winding and command_code != 0):  # (an interrupted trial ends the flow)
             if self.next_job is not None:
                 self._cancel(self.next_job)
                 self._say(f"the sweep finished here; follow-up job {self.next_job} cancelled")
@@ -91,6 +158,12 @@ class WindDown:
                 self.next_job = None
             return command_code
         return 0 if self.next_job is not None else EX_TEMPFAIL
+
+    async def settled(self, timeout: float = 600.0) -> None:
+        """Once winding down, until the wind-down has decided (COMMAND may end first: a trial that raised
+        Interrupted ends the flow)."""
+        if self.winding and self._task is not None and not self._task.done():
+            await asyncio.wait([self._task], timeout=timeout)
 
     async def _watch(self, scheduler: Any, proc: asyncio.subprocess.Process) -> None:
         """Wind down at `end - margin - longest trial`: a trial started before then finishes before
@@ -100,7 +173,7 @@ class WindDown:
         asked = time.monotonic()
         while not self._warned.is_set():
             now = time.monotonic()
-            if end is not None and now >= end - margin - _longest_trial(scheduler, margin):
+            if end is not None and now >= end - self._lead - _longest_trial(scheduler, margin):
                 break
             try:
                 await asyncio.wait_for(self._warned.wait(), timeout=TICK_SECONDS if end is not None else RECHECK_SECONDS)
@@ -119,40 +192,140 @@ class WindDown:
             return None, 0.0
         left, limit = answer
         margin = margin_for(self.site, limit)
-        self._note(ends_in=round(left), wind_down_margin=round(margin))
+        self._lead = lead_for(margin, float(self.site.checkpoint_grace), limit)
+        self._note(ends_in=round(left), wind_down_margin=round(self._lead))
         return time.monotonic() + left, margin
 
     async def _wind_down(self, scheduler: Any, proc: asyncio.subprocess.Process, why: str, end: float | None,
                          margin: float, loop: asyncio.AbstractEventLoop) -> None:
-        from hpc_garage.compat import pause_workers
+        from hpc_garage.cluster.stopping import stop_trials
+        from hpc_garage.compat import pause_workers, run_on_workers
 
         paused = pause_workers(scheduler)
-        running, finished = _executing(scheduler), _finished(scheduler)
-        self._say(f"{why}: winding down; no new trials on the {paused} workers, {running} running may finish")
+        self.winding = True
+        running = _executing_keys(scheduler)
+        told = time.time()
+        answers = await run_on_workers(scheduler, stop_trials, why, [_run_id(k) for k in running])
+        known = {run_id: info for answer in answers.values() for run_id, info in (answer or {}).items()}
+        grace = float(self.site.checkpoint_grace)
+        self._say(f"{why}: winding down; no new trials on the {paused} workers; {len(running)} running are "
+                  f"told to stop (checkpoint_grace {grace:.0f} s) and may finish")
         self._note(phase="winding down", wind_down=why)
-        if self._follow_up is not None and not finished and not _assigned(scheduler):
-            self._say("no trial finished or ran in this job: no follow-up job (it would fare no better); give "
-                      "the sweep a longer walltime and `hpc-garage resume` it")
-        elif self._follow_up is not None:
-            try:
-                self.next_job = await loop.run_in_executor(None, self._follow_up)
-                self._say(f"the sweep continues in job {self.next_job} once this one has ended "
-                          f"(`hpc-garage status {self.next_job}`)")
-                self._note(next_job=self.next_job)
-            except Exception as exc:  # noqa: BLE001 - the sweep can still be resumed by hand
-                self._say(f"could not submit the follow-up job ({exc}); resume by hand with `hpc-garage resume`")
-        grace = margin / 2  # for stopping COMMAND and tearing down before the batch system kills the job
-        await asyncio.sleep(2.0)  # a heartbeat or two: what the workers execute is known from them
-        while _executing(scheduler) and proc.returncode is None:
-            if end is not None and time.monotonic() >= end - grace:
-                self._say(f"{_executing(scheduler)} trials still running {grace:.0f} s before the end; they "
+        kill = margin / 2  # for stopping COMMAND and tearing down before the batch system kills the job
+        await asyncio.sleep(min(2.0, grace))  # a heartbeat or two: what the workers execute is known from them
+        while _executing(scheduler):
+            if end is not None and time.monotonic() >= end - kill:
+                self._say(f"{_executing(scheduler)} trials still running {kill:.0f} s before the end; they "
                           "are stopped and run again in the next job")
                 break
+            if proc.returncode is not None and time.time() >= told + grace:
+                break  # COMMAND ended (an interrupted trial ends the flow): the others had their grace
             await asyncio.sleep(0.5)
+        started = {str(ts.key) for ws in scheduler.workers.values() for ts in ws.executing}
+        unfinished = [_unfinished(key, known.get(_run_id(key)), self.results, told) for key in running
+                      if (_run_id(key) in known or key in started) and _state(scheduler, key) != "memory"]
+        await loop.run_in_executor(None, self._decide, unfinished, loop)
         if proc.returncode is None:
             self.stopped = True
             self._say("stopping COMMAND: this job's part of the sweep is done; finished trials are kept")
             proc.send_signal(signal.SIGTERM)
+
+    def _decide(self, unfinished: list[Unfinished], loop: asyncio.AbstractEventLoop) -> None:
+        """Record each interrupted trial; submit the follow-up job where another job gets further."""
+        now = time.time()
+        records = [self._record(trial, now) for trial in unfinished]
+        new_results = _results_in(self.results) - self._kept
+        interrupted = len(records)
+        lost = [r["interruptions"][-1]["lost"] for r in records]
+        self._note(interrupted=interrupted, continued=sum(1 for r in records if len(r["interruptions"]) > 1),
+                   work_lost=round(sum(lost), 1))
+        if records:
+            self._say(f"{interrupted} trials interrupted: work lost since their last checkpoint "
+                      + ", ".join(f"{r['task']} {r['interruptions'][-1]['lost']:.0f} s" for r in records))
+        self.gave_up = [r for r in records if "gave_up" in r]
+        if self._follow_up is None:
+            return
+        if not new_results and not records:
+            self._say("no trial finished or ran in this job: no follow-up job (it would fare no better); give "
+                      "the sweep a longer walltime and `hpc-garage resume` it")
+            return
+        if not follow_up_needed(records, new_results):
+            for r in self.gave_up:
+                self._say(f"trial {r['task']} ({r['trial'][:12]}) is not continued: {r['gave_up']} (interrupted "
+                          f"{len(r['interruptions'])} times; the site's max_continuations is "
+                          f"{self.site.max_continuations}); no follow-up job")
+            self._note(chain_stopped=[{"task": r["task"], "trial": r["trial"], "why": r["gave_up"]}
+                                      for r in self.gave_up])
+            return
+        try:
+            self.next_job = self._follow_up()
+            self._say(f"the sweep continues in job {self.next_job} once this one has ended "
+                      f"(`hpc-garage status {self.next_job}`)")
+            self._note(next_job=self.next_job)
+        except Exception as exc:  # noqa: BLE001 - the sweep can still be resumed by hand
+            self._say(f"could not submit the follow-up job ({exc}); resume by hand with `hpc-garage resume`")
+
+    def _record(self, trial: Unfinished, now: float) -> dict[str, Any]:
+        """The trial's record in the epoch's results, updated with this interruption."""
+        path = self.results / TRIALS_DIR / f"{trial.trial.replace('/', '_')}.json" if self.results else None
+        before = None
+        if path is not None:
+            try:
+                before = json.loads(path.read_text())
+            except (OSError, ValueError):
+                before = None
+        record = interruption(before, trial, self.job_id, now, self.site.max_continuations)
+        if path is not None:
+            try:
+                path.parent.mkdir(mode=0o700, exist_ok=True)
+                write_private(path, json.dumps(record))
+            except OSError as exc:
+                self._say(f"could not record interrupted trial {trial.task} in {path} ({exc})")
+        return record
+
+
+def _run_id(key: str) -> str:
+    """A task's Prefect task run id (hex) from its Dask key, `<task name>-<task run id hex>` (prefect/fast.py)."""
+    return str(key).rsplit("-", 1)[-1]
+
+
+def _executing_keys(scheduler: Any) -> list[str]:
+    """Tasks running now, or about to (the workers' heartbeats tell `executing` late)."""
+    return [str(ts.key) for ws in scheduler.workers.values() for ts in ws.processing]
+
+
+def _state(scheduler: Any, key: str) -> str | None:
+    ts = scheduler.tasks.get(key)
+    return ts.state if ts is not None else None
+
+
+def _unfinished(key: str, info: dict[str, Any] | None, results: Path | None, told: float) -> Unfinished:
+    """A trial the job's end interrupted, with its newest checkpoint (what its directory holds)."""
+    if info is None:
+        task = str(key).rsplit("-", 1)[0]
+        return Unfinished(f"task:{task}", task, told, None)
+    checkpoint = _newest(results / CHECKPOINTS_DIR / str(info["key"])) if results is not None else None
+    return Unfinished(str(info["key"]), str(info["task"]), float(info["started"]), checkpoint)
+
+
+def _newest(path: Path) -> float | None:
+    """When anything under `path` was last written; None for nothing there."""
+    newest = None
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                mtime = os.stat(os.path.join(root, name)).st_mtime
+            except OSError:
+                continue
+            newest = mtime if newest is None else max(newest, mtime)
+    return newest
+
+
+def _results_in(results: Path | None) -> int:
+    """Finished trials the epoch keeps (Prefect's result files)."""
+    if results is None or not results.is_dir():
+        return 0
+    return sum(1 for p in results.iterdir() if not p.name.startswith(".") and p.is_file())
 
 
 def _executing(scheduler: Any) -> int:
@@ -164,13 +337,3 @@ def _longest_trial(scheduler: Any, margin: float) -> float:
     that could not finish before the end are not started. Bounded, so one odd task cannot end a job early."""
     means = [tp.duration_average for tp in scheduler.task_prefixes.values() if tp.duration_average > 0]
     return min(max(means, default=0.0) * 1.2, 10 * margin)
-
-
-def _assigned(scheduler: Any) -> int:
-    """Tasks handed to workers (executing, or about to: the workers' heartbeats tell `executing` late)."""
-    return sum(len(ws.processing) for ws in scheduler.workers.values())
-
-
-def _finished(scheduler: Any) -> int:
-    """Tasks whose results the flow holds (it holds every trial's future until it ends)."""
-    return sum(1 for ts in scheduler.tasks.values() if ts.state == "memory")

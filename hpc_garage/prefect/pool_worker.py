@@ -255,7 +255,9 @@ class PoolWorker(BaseWorker[GarageJobConfiguration, GarageVariables, GarageResul
             await asyncio.sleep(FOLLOW_SECONDS)
 
     async def _tick(self) -> None:
-        followed = list(self._followed.values())
+        followed = [f for f in self._followed.values() if not f.done.done()]  # a done one leaves at once
+        if not followed:
+            return
         views = await anyio.to_thread.run_sync(self.jobs.views, {f.job_id: f.site for f in followed})
         runs = await self.client.read_flow_runs(flow_run_filter=FlowRunFilter(
             id=FlowRunFilterId(any_=[f.flow_run.id for f in followed])))
@@ -283,7 +285,7 @@ class PoolWorker(BaseWorker[GarageJobConfiguration, GarageVariables, GarageResul
                 await self._set_state(run, Cancelled(message=f"Cancelled: job {f.job_id} was cancelled"))
             f.done.set_result(None)
             return
-        follow_up = self.jobs.next_job_of(view)
+        follow_up = self.jobs.next_job_of(view) if state not in FINAL or state == StateType.CRASHED else None
         if follow_up is not None:  # walltime or preemption: `run` handed the sweep to a follow-up job
             run_logger.info(f"job {f.job_id} reached its end; the flow run continues in job {follow_up.job_id}")
             f.job_id = follow_up.job_id
@@ -332,11 +334,14 @@ class PoolWorker(BaseWorker[GarageJobConfiguration, GarageVariables, GarageResul
             work_pool_filter=WorkPoolFilter(name=WorkPoolFilterName(any_=[pool])),
             flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(
                 any_=[StateType.PENDING, StateType.RUNNING, StateType.CANCELLING]))))
+        roots = await anyio.to_thread.run_sync(self.jobs.run_roots) if runs else []
         for run in runs:
             flow_run_id = str(run.id)
             if flow_run_id in self._mine or flow_run_id in self._followed:
                 continue
-            claim = await anyio.to_thread.run_sync(self.jobs.claim_of, flow_run_id)
+            claim = await anyio.to_thread.run_sync(self.jobs.claim_of, flow_run_id, roots)
+            if not (claim and claim.get("job_id")) and run.infrastructure_pid:  # its claim is out of sight
+                claim = {"job_id": run.infrastructure_pid}
             if claim and claim.get("job_id"):
                 self._mine.add(flow_run_id)
                 if self._once:
@@ -350,8 +355,7 @@ class PoolWorker(BaseWorker[GarageJobConfiguration, GarageVariables, GarageResul
                 continue  # being submitted by a worker right now (or just died: next heartbeat)
             entered = run.state.timestamp.timestamp() if run.state and run.state.timestamp else time.time()
             if run.state_type == StateType.PENDING and time.time() - entered > ADOPT_AFTER:
-                get_logger = self.get_flow_run_logger(run)
-                get_logger.info("its worker stopped before submitting a job: back to the work pool")
+                self.get_flow_run_logger(run).info("its worker stopped before submitting a job: back to the work pool")
                 await self._set_state(run, Scheduled(message="hpc-garage: its worker stopped before submitting "
                                                              "a job; submitted again"))
 

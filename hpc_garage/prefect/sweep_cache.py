@@ -29,12 +29,14 @@ from prefect.cache_policies import (INPUTS, NO_CACHE, TASK_SOURCE, CachePolicy, 
                                      TaskSource)
 from prefect.utilities.hashing import hash_objects
 
+from hpc_garage.cluster.stopping import note_trial
+from hpc_garage.cluster.stopping import trial as note_of
 from hpc_garage.compat import cache_policy_unset
 from hpc_garage.core.sweep import SOURCE_CHANGES, SOURCES_DIR
 from hpc_garage.files import append_private, write_private
 from hpc_garage.variables import RESULTS_ENV, SWEEP_ENV
 
-__all__ = ["SweepPolicy", "SweepScope", "SweepTasks", "sweep_policy"]
+__all__ = ["SweepPolicy", "SweepScope", "SweepTasks", "sweep_policy", "trial_key"]
 
 
 @dataclass
@@ -64,7 +66,10 @@ class SweepPolicy(CompoundCachePolicy):
             by_kind = {type(policy): key for policy, key in keys}
             note_source(Path(self.results), task_ctx.task.name, by_kind.get(TaskSource), by_kind.get(Inputs))
         found = [key for _, key in keys if key is not None]
-        return hash_objects(*found, raise_on_failure=True) if found else None
+        key = hash_objects(*found, raise_on_failure=True) if found else None
+        if key is not None and task_ctx is not None:  # the trial's checkpoint directory and wind-down record
+            note_trial(task_ctx.task_run.id.hex, key, task_ctx.task.name)
+        return key
 
 
 def note_source(results: Path, task_name: str, source: str | None, inputs: str | None) -> None:
@@ -88,6 +93,23 @@ def note_source(results: Path, task_name: str, source: str | None, inputs: str |
         write_private(known, source)  # whole, for a reader in another job
     except Exception:  # noqa: BLE001 - bookkeeping for `status`; the trial itself must not depend on it
         return
+
+
+def task_context() -> Any:
+    """The Prefect task run this thread runs, or None."""
+    from prefect.context import TaskRunContext
+
+    return TaskRunContext.get()
+
+
+def trial_key(task_ctx: Any, sweep: str) -> str | None:
+    """The key a trial's result has (or would have) in `sweep`, computed as SweepPolicy computes it: the
+    trial's checkpoint directory is named by it, so a changed source or input never finds an old one."""
+    known = note_of(task_ctx.task_run.id.hex)
+    if known is not None:
+        return str(known["key"])
+    policy = SweepPolicy(policies=[TASK_SOURCE, INPUTS, SweepScope(sweep=sweep)])
+    return policy.compute_key(task_ctx=task_ctx, inputs=task_ctx.parameters or {}, flow_parameters={})
 
 
 def sweep_policy(sweep: str, results: Path | None = None) -> CachePolicy:

@@ -34,7 +34,7 @@ from hpc_garage.schedulers.submission import (JobView, Prepared, find, next_job_
                                               run_roots, submit)
 
 __all__ = ["VARIABLES", "FlowRunJob", "Taken", "Busy", "request_of", "prepare_flow_run", "take", "claim_of",
-           "views", "cancel", "ended", "next_job_of"]
+           "views", "cancel", "ended", "next_job_of", "run_roots"]
 
 logger = logging.getLogger(__name__)
 

@@ -53,6 +53,8 @@ SECTIONS: dict[str, dict[str, Any]] = {
                 "default": None,
                 "pattern": "^(USR1|USR2|URG|TERM)@[1-9][0-9]{0,5}$",
             },
+            {"name": "checkpoint_grace", "kind": "int", "default": 60, "convert": "walltime", "gt": 0},
+            {"name": "max_continuations", "kind": "int", "default": 2, "ge": 0},
             {"name": "setup", "kind": "list[str]", "default": []},
             {"name": "directives", "kind": "list[str]", "default": []},
             {"name": "env", "kind": "dict[str, str]", "default": {}},

@@ -1,0 +1,99 @@
+"""The stop a wind-down hands to the trials running on each worker, and what each worker knows of them.
+
+Lives in every worker process and imports nothing heavy: `hpc_garage.trial.should_stop()` reads one flag
+here (a trial that never asks pays nothing), and the scheduler runs `stop_trials` on every worker through
+Dask's own `run` op (compat.run_on_workers) when the job winds down. Which trial a task is comes from the
+sweep cache (prefect/sweep_cache.py notes each trial's result key as Prefect computes it, by task run id);
+the wind-down keys its record of interruptions by it, across jobs.
+
+A reason is kept per trial (`None`: every trial of this process), so that another stop reason for one trial
+(a pruner's "pruned") can be added beside the job's own.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+KEEP = 4096  # trials remembered per process: far more than run at once on one worker
+CHECKPOINTS_DIR = ".checkpoints"  # in the epoch's results directory: one directory per trial key
+TRIALS_DIR = ".trials"  # in the epoch's results directory: each interrupted trial's record (cluster/wind_down.py)
+
+_stopping = threading.Event()  # set once any stop reason is known here: the cheap test
+_reasons: dict[str | None, str] = {}  # trial (task run id hex) or None (every trial) -> why it should stop
+_callbacks: list[Callable[[str], None]] = []
+_trials: OrderedDict[str, dict[str, Any]] = OrderedDict()  # task run id hex -> {key, task, started, asked}
+_lock = threading.Lock()
+
+
+def any_stop() -> bool:
+    """Whether any stop is known in this process: what a trial that asks pays while none is."""
+    return _stopping.is_set()
+
+
+def reason(trial: str | None) -> str | None:
+    """Why `trial` (or, with None, every trial here) should stop; None while it should not."""
+    if not _stopping.is_set():
+        return None
+    return _reasons.get(trial) or _reasons.get(None)
+
+
+def stop(why: str, trial: str | None = None) -> None:
+    """Ask one trial (None: every trial in this process) to stop; each callback runs once, in this thread."""
+    with _lock:
+        if trial in _reasons:
+            return
+        _reasons[trial] = why
+        _stopping.set()
+        callbacks = list(_callbacks)
+    for callback in callbacks:
+        try:
+            callback(why)
+        except Exception:  # noqa: BLE001 - a user's callback must not keep the other trials from their stop
+            logger.exception("an on_stop callback failed")
+
+
+def on_stop(callback: Callable[[str], None]) -> None:
+    """Call `callback(reason)` when this process is told to stop (at once if it already was)."""
+    with _lock:
+        _callbacks.append(callback)
+        why = _reasons.get(None)
+    if why is not None:
+        callback(why)
+
+
+def note_trial(run_id: str, key: str, task: str) -> None:
+    """A trial starts here under the sweep cache: its result key, for its checkpoint directory and the
+    wind-down's record. A dictionary insert per task (bounded)."""
+    with _lock:
+        _trials[run_id] = {"key": key, "task": task, "started": time.time(), "asked": False}
+        if len(_trials) > KEEP:
+            _trials.popitem(last=False)
+
+
+def trial(run_id: str) -> dict[str, Any] | None:
+    with _lock:
+        return _trials.get(run_id)
+
+
+def stop_trials(why: str, run_ids: list[str]) -> dict[str, dict[str, Any]]:
+    """Run on each worker by the wind-down: tell every trial here to stop; answer what is known of those of
+    `run_ids` (the tasks the scheduler sees executing) that run here."""
+    stop(why)
+    with _lock:
+        return {run_id: dict(_trials[run_id]) for run_id in run_ids if run_id in _trials}
+
+
+def reset() -> None:
+    """Forget every stop (tests; a process reused for another run)."""
+    with _lock:
+        _reasons.clear()
+        _callbacks.clear()
+        _trials.clear()
+        _stopping.clear()
