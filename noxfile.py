@@ -2,7 +2,7 @@
 CI it runs `oldest` beside its main run (which is on the newest verified versions: it upgrades them).
 
     nox -s oldest   the fast tests, then one real SLURM sweep, on the OLDEST versions hpc-garage is verified on: the
-                    lower bound of each range in hpc_garage/compat.py's VERIFIED (Prefect, prefect-dask,
+                    lower bound of each range in hpc_garage/compat/'s VERIFIED (Prefect, prefect-dask,
                     distributed and so dask, dask-jobqueue; tests/test_compat.py holds pyproject.toml's equal)
     nox -s newest   the same on the newest releases inside those ranges
 

@@ -5,10 +5,11 @@
     python -m bench --only overhead,cli --runs 7 --out DIR
     python -m bench --only scaling  registration at 2-16 fake nodes on a second local SLURM (not in --quick)
     python -m bench --only faults   what issue 11's API-outage hooks cost per tagged task (on vs bypassed)
+    python -m bench --only trials   what issue 24's per-trial API costs trials that never call it (on vs bypassed)
     python -m bench --only ui       the managed Prefect server's start-up and memory with its UI and without
     python -m bench --only deployment   a deployment run on an `hpc-garage` work pool against `submit`
 
-Each benchmark runs in its own Python process (bench.startup, bench.overhead, bench.fault_cost, bench.packing,
+Each benchmark runs in its own Python process (bench.startup, bench.overhead, bench.fault_cost, bench.trial_cost, bench.packing,
 bench.cli_speed, bench.server_ui, bench.deployment), so one's imports, Prefect settings and clusters cannot colour another's figures. Needs the local SLURM up
 (scripts/local-slurm up) for start-up and packing; they are reported as skipped without it.
 """
@@ -28,7 +29,7 @@ from bench.common import PYTHON, ROOT, machine, say, slurm_problem
 from bench.report import write_reports
 
 RESULTS = Path(__file__).resolve().parent / "results"
-ORDER = ("cli", "overhead", "faults", "ui", "packing", "startup", "deployment", "scaling")
+ORDER = ("cli", "overhead", "faults", "trials", "ui", "packing", "startup", "deployment", "scaling")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,14 +89,14 @@ def _run(argv: list[str], log: Path) -> int:
 
 
 def _module(name: str) -> str:
-    return {"cli": "cli_speed", "faults": "fault_cost", "ui": "server_ui"}.get(name, name)
+    return {"cli": "cli_speed", "faults": "fault_cost", "trials": "trial_cost", "ui": "server_ui"}.get(name, name)
 
 
 def _arguments(name: str, quick: bool, runs: int, out: Path) -> list[str]:
     base = ["--runs", str(runs)]
     if name == "overhead":
         return base + ["--tasks", "10" if quick else "100"]
-    if name == "faults":
+    if name in ("faults", "trials"):
         return base + ["--tasks", "10" if quick else "200"]
     if name == "cli":
         return base + (["--nodes", "64"] if quick else [])

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpc_garage.core.errors import UserError
-from hpc_garage.core.sweep import SOURCE_CHANGES, SweepKey, check_name, derived_name
+from hpc_garage.core.sweep import SOURCE_CHANGES, TRIALS_DIR, SweepKey, check_name, derived_name
 from hpc_garage.files import locked, run_root, write_private
 
 if TYPE_CHECKING:
@@ -144,7 +144,29 @@ def summary(book: SweepBook, epoch: int | None = None) -> dict[str, Any] | None:
     results = book.results(epoch)
     kept = sum(1 for p in results.iterdir() if p.is_file() and not p.name.startswith(".")) if results.is_dir() else 0
     return {"name": book.name, "epoch": epoch, "jobs": jobs_of(record, epoch), "results": kept,
-            "source_changed": source_changes(results), "directory": str(results)}
+            "source_changed": source_changes(results), "interrupted": interruptions(results),
+            "directory": str(results)}
+
+
+def interruptions(results: Path) -> dict[str, Any]:
+    """The epoch's trials that a job's end interrupted (cluster/wind_down.py records each, by its result key):
+    how many wait to be continued now (no result yet), how many checkpointed and were continued across jobs,
+    the work the interruptions lost (seconds since each one's last checkpoint), and those not continued any
+    more, with why."""
+    records = []
+    for file in sorted((results / TRIALS_DIR).glob("*.json")) if (results / TRIALS_DIR).is_dir() else []:
+        try:
+            records.append(json.loads(file.read_text()))
+        except (OSError, ValueError):
+            continue
+    lost = [float(i.get("lost", 0)) for r in records for i in r.get("interruptions", [])]
+    unfinished = [r for r in records if not (results / str(r.get("trial"))).is_file()]
+    return {"trials": len(records), "interruptions": len(lost),
+            "interrupted": sum(1 for r in unfinished if "gave_up" not in r),
+            "continued": sum(1 for r in records if r.get("checkpointed")),
+            "lost": round(sum(lost), 1), "lost_max": round(max(lost, default=0.0), 1),
+            "stopped": [{"task": r.get("task"), "trial": r.get("trial"), "why": r["gave_up"]}
+                        for r in unfinished if "gave_up" in r]}
 
 
 def source_changes(results: Path) -> dict[str, int]:

@@ -1,7 +1,7 @@
 """The names checks behind tests/test_architecture.py: other packages' private names, and literals that
 belong in one place. Written for any package directory (see tests/architecture.py), read as source.
 
-**Another package's private name** is, outside the modules allowed (compat.py):
+**Another package's private name** is, outside the modules allowed (compat/):
 - an import of a `_name` from a module that is not the package's own, or of a module path with a `_part`;
 - an attribute `x._name` (also `getattr/setattr/hasattr/delattr(x, "_name")`, or a private string in the
   statement of such a call, `hasattr(x, n) for n in ("_a", "_b")`) where `x` is bound by an import of another

@@ -105,9 +105,9 @@ def run_page(page: Path, workdir: Path, env: dict[str, str], *, needs: set[str],
             continue
         for step in block.steps:
             command = JOB_ARGS.sub(lambda m: f"{m[1]} {jobs.get(m[2], m[2])}", step.command)
-            done = subprocess.run(["bash", "-c", command], cwd=workdir, env=env, capture_output=True, text=True,
-                                  timeout=timeout)
-            actual = (done.stdout + done.stderr).splitlines()
+            done = subprocess.run(["bash", "-c", command], cwd=workdir, env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True, timeout=timeout)  # one stream: in order
+            actual = done.stdout.splitlines()
             want = 2 if step.expect_error else 0
             ok, missing, seen = matches(step.shown, actual)
             jobs.update(seen)

@@ -7,9 +7,9 @@ Every claim ARCHITECTURE.md makes about the code is checked here:
 - batch-system spellings (`SLURM_*`/`PBS_*` variables, `#SBATCH`/`#PBS` directives, `select=`, `--gres=`,
   `ngpus=`, scontrol/squeue/qstat) only under `hpc_garage/schedulers/`;
 - `core/` (and the jobqueue scaling policy) pure: no environment, files, subprocess;
-- Prefect's package imported only by `prefect/` and `compat.py`; `prefect_api.py` on the standard library
+- Prefect's package imported only by `prefect/` and `compat/`; `prefect_api.py` on the standard library
   alone; Dask never started by `schedulers/`; the CLI's, `sites/view.py`'s and the package's import light;
-- other packages' private names only in `compat.py`, each use there declared with `@uses`;
+- other packages' private names only in `compat/` (one module per package), each use there declared with `@uses`;
 - every `HPC_GARAGE_*` name spelled once: in `variables.py` (or, for the one core writes, `core/variable_names.py`,
   which variables.py re-exports);
 - the module map names every module, and only modules that exist.
@@ -177,7 +177,7 @@ def test_the_scaling_policy_is_pure() -> None:
 def test_only_the_prefect_side_imports_prefect() -> None:
     others = {HPC.part(m) for m in HPC.modules} - {"prefect", "compat"}
     offenders = third_party_offenders(HPC, others, ["prefect", "prefect_dask"])
-    assert not offenders, "Prefect's package outside prefect/ and compat.py:\n" + "\n".join(offenders)
+    assert not offenders, "Prefect's package outside prefect/ and compat/:\n" + "\n".join(offenders)
 
 
 @pytest.mark.parametrize("part", ["prefect_api", "log", "_version"])
@@ -226,12 +226,15 @@ def test_light_at_import(module: str) -> None:
 # ---------------------------------------------------------------------------------- private names
 
 
+COMPAT = sorted(m for m in HPC.modules if HPC.part(m) == "compat")  # hpc_garage/compat/: one module per package
+
+
 def test_private_names_of_other_packages_only_in_compat() -> None:
-    offenders = private_offenders(HPC, ["compat"])
-    assert not offenders, "private names of other packages outside hpc_garage/compat.py:\n" + "\n".join(offenders)
+    offenders = private_offenders(HPC, [m.split(".", 1)[1] for m in COMPAT])
+    assert not offenders, "private names of other packages outside hpc_garage/compat/:\n" + "\n".join(offenders)
 
 
-# the names found outside compat.py once (before the generic check above): kept out by name as well
+# the names found outside compat/ once (before the generic check above): kept out by name as well
 PRIVATE_OF_OTHERS = re.compile(r"\b(_instances|_correct_state|_submit_job|_call|_new_worker_name|"
                                r"_update_worker_status|_forkserver_preload_set|_no_limits_cache|_cache_lock|"
                                r"_internal|_deployment_id|_deployment_parameters|_types_namespace|"
@@ -242,7 +245,7 @@ OWN_NAMES = {"valid_workers"}  # placement.py's own method of that name (it repl
 def test_known_private_names_of_other_packages_only_in_compat() -> None:
     offenders = []
     for path in SOURCES:
-        if path.name == "compat.py":
+        if _module(path) in COMPAT:
             continue
         for line, text in code_lines(path):
             for m in PRIVATE_OF_OTHERS.finditer(text):
@@ -250,18 +253,19 @@ def test_known_private_names_of_other_packages_only_in_compat() -> None:
                 if before.endswith("def ") or (before.endswith("self.") and m.group(0) in OWN_NAMES):
                     continue
                 offenders.append(f"{HPC.where(path, line)}: {m.group(0)}")
-    assert not offenders, "private names of other packages outside hpc_garage/compat.py:\n" + "\n".join(offenders)
+    assert not offenders, "private names of other packages outside hpc_garage/compat/:\n" + "\n".join(offenders)
 
 
 def test_each_private_use_in_compat_is_declared() -> None:
-    """compat.py's functions that touch another package's private names say so with `@uses(package, what)` (a
+    """compat/'s functions that touch another package's private names say so with `@uses(package, what)` (a
     private helper of theirs, `_name`, is covered by its callers' declarations; the standard library's own,
     which have no verified range, are not declared)."""
-    tree = HPC.trees["hpc_garage.compat"]
-    undeclared = [f"hpc_garage/compat.py:{node.lineno}: {node.name}" for node in tree.body
+    assert len(COMPAT) > 1, f"hpc_garage/compat/ is one module per package: {COMPAT}"
+    undeclared = [f"{HPC.where(HPC.modules[module], node.lineno)}: {node.name}" for module in COMPAT
+                  for node in HPC.trees[module].body
                   if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not _declares_use(node)
-                  and private_uses(HPC, "hpc_garage.compat", node, ignore=sys.stdlib_module_names)]
-    assert not undeclared, "compat.py functions using private names without @uses:\n" + "\n".join(undeclared)
+                  and private_uses(HPC, module, node, ignore=sys.stdlib_module_names)]
+    assert not undeclared, "compat/ functions using private names without @uses:\n" + "\n".join(undeclared)
 
 
 def _declares_use(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:

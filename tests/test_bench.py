@@ -88,7 +88,8 @@ def test_quick_bench_runs_every_benchmark(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "latest.json").read_text())
-    assert set(report["benchmarks"]) == {"cli", "overhead", "faults", "ui", "packing", "startup", "deployment"}
+    assert set(report["benchmarks"]) == {"cli", "overhead", "faults", "trials", "ui", "packing", "startup",
+                                         "deployment"}
     for name, section in report["benchmarks"].items():
         assert section.get("figures"), (name, section)
         ours = [f for f in section["figures"] if f["ours"]]
@@ -152,3 +153,10 @@ def test_local_slurm_brings_up_a_second_named_cluster_beside_the_default(tmp_pat
     assert subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True).stdout == default_nodes
     if ctld is not None:
         assert Path("/tmp/hpc-garage-slurm/run/slurmctld.pid").read_text().strip() == ctld
+
+
+def test_peers_and_servers_start_the_environments_own_interpreter() -> None:
+    """A venv's python is a link to its base interpreter: resolved, it lacks the venv's packages (the managed
+    server's keeper then failed with "No module named prefect" in a fresh venv)."""
+    assert common.PYTHON == sys.executable
+    assert common.BIN == Path(sys.executable).parent

@@ -1,4 +1,4 @@
-"""compat.py: the one gate to other packages' private names, and its agreement with pyproject.toml."""
+"""compat/: the one gate to other packages' private names, and its agreement with pyproject.toml."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def test_a_missing_private_coroutine_is_a_compat_error() -> None:
 def test_fallbacks_leave_behaviour_alone_outside_the_range(monkeypatch: pytest.MonkeyPatch) -> None:
     import distributed.utils
 
-    monkeypatch.setattr(compat, "in_range", lambda package, installed=None: False)
+    monkeypatch.setattr(compat.versions, "in_range", lambda package, installed=None: False)
     monkeypatch.setattr(distributed.utils, "_forkserver_preload_set", False, raising=False)
     assert compat.skip_forkserver_optional_preload() is False
     assert distributed.utils._forkserver_preload_set is False
@@ -97,7 +97,7 @@ def test_prefects_own_log_queue_is_read() -> None:
 def test_installed_versions_say_whether_each_is_verified(monkeypatch: pytest.MonkeyPatch) -> None:
     installed = {"distributed": "2026.8.0", "dask-jobqueue": "0.9.0", "prefect": "3.10.0",
                  "prefect-dask": "(not installed)"}
-    monkeypatch.setattr(compat, "version", installed.__getitem__)
+    monkeypatch.setattr(compat.versions, "version", installed.__getitem__)
     lines = dict(line.split(" ", 1) for line in compat.installed_versions())
     assert set(lines) == set(compat.VERIFIED)
     assert lines["distributed"].startswith("2026.8.0: in the verified range >=2026.8.0,<")
@@ -117,8 +117,9 @@ def test_newest_release(releases: list[str], newest: str | None) -> None:
 
 
 def test_a_release_past_a_verified_range_is_news(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(compat, "VERIFIED", {"prefect": ("3.8.0", "3.10.0"), "distributed": ("2026.8.0", "2026.9.0"),
-                                              "prefect-dask": ("0.3.7", "0.4.0")})
+    monkeypatch.setattr(compat.versions, "VERIFIED", {"prefect": ("3.8.0", "3.10.0"),
+                                                      "distributed": ("2026.8.0", "2026.9.0"),
+                                                      "prefect-dask": ("0.3.7", "0.4.0")})
     news = compat.release_news({"prefect": "3.10.0", "distributed": "2026.8.3", "prefect-dask": None})
     assert [ok for ok, _ in news] == [False, True, False]
     assert news[0][1].startswith("prefect 3.10.0 is released, past the verified range >=3.8.0,<3.10.0: run the tests")
@@ -131,8 +132,8 @@ def test_a_release_past_a_verified_range_is_news(monkeypatch: pytest.MonkeyPatch
 def test_latest_asks_the_index_and_exits_1_on_news(monkeypatch: pytest.MonkeyPatch,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     released = {p: [low] for p, (low, _) in compat.VERIFIED.items()} | {"prefect": ["3.8.0", "4.0.0", "3.9.1"]}
-    monkeypatch.setattr(compat, "registry_releases", released.__getitem__)
-    monkeypatch.setattr(compat, "version", lambda p: compat.VERIFIED[p][0])
+    monkeypatch.setattr(compat.versions, "registry_releases", released.__getitem__)
+    monkeypatch.setattr(compat.versions, "version", lambda p: compat.VERIFIED[p][0])
     assert compat.main(["--latest"]) == 1
     assert "prefect 4.0.0 is released, past the verified range" in capsys.readouterr().out
     released["prefect"] = ["3.9.1"]
@@ -141,7 +142,7 @@ def test_latest_asks_the_index_and_exits_1_on_news(monkeypatch: pytest.MonkeyPat
     def unreachable(package: str) -> list[str]:
         raise UserError(f"`pip index versions {package}` failed (no network)")
 
-    monkeypatch.setattr(compat, "registry_releases", unreachable)
+    monkeypatch.setattr(compat.versions, "registry_releases", unreachable)
     assert compat.main(["--latest"]) == 2
     assert capsys.readouterr().err.startswith("hpc-garage: error: `pip index versions")
 

@@ -227,9 +227,11 @@ def test_a_good_scheduler_file_of_this_job_is_accepted(tmp_path: Path) -> None:
     """The refusals above are not everything being refused."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HPC_GARAGE_", "SLURM_", "PBS_"))}
     path = _scheduler_file(tmp_path / "scheduler.json", job_id="456", host=os.uname().nodename, pid=os.getpid())
-    env |= {"HOME": str(tmp_path), "HPC_GARAGE_SCHEDULER_FILE": str(path), "SLURM_JOB_ID": "456"}
+    env |= {"HOME": str(tmp_path), "HPC_GARAGE_SCHEDULER_FILE": str(path), "SLURM_JOB_ID": "456",
+            "PREFECT_API_URL": "http://127.0.0.1:9/api"}  # an API of the user's: no managed server is started
     done = subprocess.run([sys.executable, "-c", READ_HANDOFF], env=env, capture_output=True, text=True, timeout=60)
     assert done.stdout.strip() == "accepted", done.stderr
+    assert not (tmp_path / ".hpc-garage").exists()  # the fast layer starts no Prefect server
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from hpc_garage.prefect import server as prefect_server
+from hpc_garage.prefect.server import processes
 from hpc_garage.core.errors import UserError
 from hpc_garage.prefect.server import configured_api_url, ensure_api, server_status, state_dir, stop_server
 
@@ -90,7 +91,7 @@ def test_one_server_shared_reused_authenticated_and_stopped(home: Path) -> None:
 
     # a server that died is replaced; the state file follows
     os.kill(state["pid"], signal.SIGKILL)
-    while prefect_server._pid_alive(state["pid"]):
+    while processes.process_alive(state["pid"]):
         time.sleep(0.05)
     replaced = ensure_api()
     assert replaced["PREFECT_API_URL"] != url or replaced["PREFECT_API_AUTH_STRING"] != auth
@@ -130,10 +131,10 @@ def test_a_server_that_exits_is_reported_with_its_log(fake_python) -> None:  # n
 
 def test_a_server_that_never_answers_is_stopped(fake_python) -> None:  # noqa: ANN001
     fake_python('echo "hanging"; sleep 600')
-    before = set(prefect_server._children)  # another module's server, stopped by `server stop`, may be listed
+    before = set(processes.children)  # another module's server, stopped by `server stop`, may be listed
     with pytest.raises(UserError, match="did not answer within 1 s.*hanging"):
         ensure_api(timeout=1)
-    assert set(prefect_server._children) <= before  # killed and reaped, not left behind
+    assert set(processes.children) <= before  # killed and reaped, not left behind
 
 
 def test_the_server_batches_its_records_and_the_users_settings_win(fake_python, monkeypatch) -> None:  # noqa: ANN001
@@ -165,11 +166,11 @@ CANNOT_START = """
 import os, sys, time
 cause, entry, value = sys.argv[1:4]
 import prefect  # the real one: the broken copy below goes first on PYTHONPATH for the server's processes only
-from hpc_garage.prefect import server
+from hpc_garage.prefect.server import managed
 if cause == "import":
     os.environ["PYTHONPATH"] = value
 else:
-    server._free_port = lambda host: int(value)  # another process took the port hpc-garage chose
+    managed._free_port = lambda host: int(value)  # another process took the port hpc-garage chose
 import hpc_garage
 import hpc_garage.prefect.task_runner  # imported before the clock starts: the refusal is timed, not imports
 from hpc_garage.cli import main

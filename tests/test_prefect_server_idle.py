@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from hpc_garage.core.errors import UserError
+from hpc_garage.files import pid_alive
 from hpc_garage.prefect import server as prefect_server
 from hpc_garage.prefect.server import ensure_api, server_status, state_dir, stop_server
 
@@ -104,7 +105,7 @@ def test_an_idle_server_leaves_and_the_next_run_starts_a_fresh_one(home: Path) -
     assert len(processes_in(directory)) == 2  # the keeper and prefect server start: no extra server
 
     # no flow runs, no process holding it: it leaves after ~3 s (the keeper looks every 0.5 s)
-    assert wait_until(lambda: not prefect_server.pid_alive(first["pid"]), 90), server_status()
+    assert wait_until(lambda: not pid_alive(first["pid"]), 90), server_status()
     assert not (directory / "server.json").exists()
     assert not answers(first["url"])
     assert wait_until(lambda: not processes_in(directory), 30)
@@ -172,7 +173,7 @@ def test_a_server_in_use_stays(home: Path) -> None:
         holder.kill()
         holder.wait()
     pid = server_status()["pid"]
-    assert wait_until(lambda: not prefect_server.pid_alive(pid), 90)
+    assert wait_until(lambda: not pid_alive(pid), 90)
 
 
 @pytest.mark.slow
@@ -196,12 +197,12 @@ def test_an_online_work_pool_worker_or_an_active_schedule_holds_the_server(home:
     deployment = call("POST", "/deployments/", {"name": "nightly", "flow_id": flow["id"],
                                                 "schedules": [{"schedule": {"interval": 86400}, "active": True}]})
     time.sleep(10)  # more than three idle limits
-    assert prefect_server.pid_alive(pid), "the server left while a worker was online"
+    assert pid_alive(pid), "the server left while a worker was online"
     call("DELETE", "/work_pools/gpus/workers/w1")
     time.sleep(10)
-    assert prefect_server.pid_alive(pid), "the server left while a deployment had an active schedule"
+    assert pid_alive(pid), "the server left while a deployment had an active schedule"
     call("PATCH", f"/deployments/{deployment['id']}", {"paused": True})
-    assert wait_until(lambda: not prefect_server.pid_alive(pid), 90), "no worker, no schedule: it should leave"
+    assert wait_until(lambda: not pid_alive(pid), 90), "no worker, no schedule: it should leave"
 
 
 def test_bad_settings_are_refused_in_one_line_and_nothing_starts(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -254,7 +255,7 @@ def test_postgresql_in_user_space(home: Path, monkeypatch: pytest.MonkeyPatch) -
         assert not list((directory / "home").glob("*.db"))
         postmaster = int((postgres.data / "postmaster.pid").read_text().split()[0])
         assert stop_server() is True
-        assert not prefect_server.pid_alive(postmaster)  # stopped with the server
+        assert not pid_alive(postmaster)  # stopped with the server
         assert not socket.exists()
 
         # the next start reuses the database: the flow run is still there
@@ -268,7 +269,7 @@ def test_postgresql_in_user_space(home: Path, monkeypatch: pytest.MonkeyPatch) -
         keeper = server_status()["pid"]
         postmaster = int((postgres.data / "postmaster.pid").read_text().split()[0])
         os.kill(keeper, signal.SIGKILL)
-        assert wait_until(lambda: not prefect_server.pid_alive(postmaster), 60)
+        assert wait_until(lambda: not pid_alive(postmaster), 60)
         assert wait_until(lambda: not processes_in(directory), 60)
         env = ensure_api(timeout=START)  # and the next run starts cleanly on the same database
         assert in_child(code, env).stdout.strip() == "1"

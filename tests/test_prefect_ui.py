@@ -139,7 +139,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     assert match, f"no 'View at' link in the run's output: {output[-2000:]}"
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HOME", str(home))
-        state = prefect_server._read_state(prefect_server.state_dir())
+        state = prefect_server.read_state(prefect_server.state_dir())
         assert state is not None
         try:
             yield Served(home, output, match.group(1), match.group(2), state)

@@ -89,10 +89,10 @@ def show(site_name: str, as_json: bool, as_script: bool, worker_script: bool, co
 
         click.echo(show_pools(site, as_json=as_json, **options.request_of(request).asked()))
         return
+    import os
+
     from hpc_garage.core.layout import describe, layout
     from hpc_garage.schedulers import allocation_for
-
-    import os
 
     allocation = allocation_for(site, options.request_of(request))
     layout_ = layout(site, allocation)

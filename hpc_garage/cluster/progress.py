@@ -76,6 +76,12 @@ class TrialRecord:
     stop: float
     failed: bool
     asked_gpu: bool
+    interrupted: bool = False  # it raised hpc_garage.trial.Interrupted: saved, not done (not failed)
+
+
+def _interrupted(ts: Any) -> bool:
+    """Whether an erred task raised hpc_garage.trial.Interrupted (Dask keeps the exception's repr)."""
+    return str(getattr(ts, "exception_text", "") or "").startswith("Interrupted(")
 
 
 async def install(scheduler: Scheduler, write: Callable[[dict[str, Any]], None], *, vendor: str = "nvidia",
@@ -110,6 +116,7 @@ class RunProgress(SchedulerPlugin):
         self.sampled: dict[str, dict[str, Any]] = {}  # key → the worker's sampler event
         self.workers: dict[str, WorkerRecord] = {}  # by address
         self.flow_runs: list[str] = []
+        self.interrupted: list[dict[str, Any]] = []  # trials the job's end interrupted (cluster/wind_down.py)
         self.looked_up: set[str] = set()
         self.ui: bool | None = None  # whether the API's server serves its UI (None: not asked yet)
         self.lookup: asyncio.Future[Any] | None = None
@@ -160,7 +167,8 @@ class RunProgress(SchedulerPlugin):
             return
         self.trials[name] = TrialRecord(
             key=name, worker=str(ws.name), start=float(compute[0]["start"]), stop=float(compute[-1]["stop"]),
-            failed=finish == "erred", asked_gpu=bool(ts is not None and (ts.resource_restrictions or {}).get("GPU")))
+            failed=finish == "erred" and not _interrupted(ts), interrupted=finish == "erred" and _interrupted(ts),
+            asked_gpu=bool(ts is not None and (ts.resource_restrictions or {}).get("GPU")))
 
     def log_event(self, topic: str, msg: Any) -> None:
         if topic != TOPIC or not isinstance(msg, dict):
@@ -191,7 +199,8 @@ class RunProgress(SchedulerPlugin):
         s = self.scheduler
         now = time.time()
         failed = sum(1 for t in self.trials.values() if t.failed or self.sampled.get(t.key, {}).get("failed"))
-        done = len(self.trials) - failed
+        interrupted = sum(1 for t in self.trials.values() if t.interrupted)
+        done = len(self.trials) - failed - interrupted
         running = sum(1 for ws in s.workers.values() for ts in ws.executing
                       if ts.state == "processing" and ts.processing_on is ws)
         busy_gpus = sum(float(ws.resources.get("GPU", 0)) for ws in s.workers.values()
@@ -203,6 +212,7 @@ class RunProgress(SchedulerPlugin):
             eta = round((waiting + running) / rate, 1)
         figures: dict[str, Any] = {
             "done": done, "running": running, "failed": failed, "waiting": waiting, "total": self.most_known,
+            **({"interrupted": interrupted} if interrupted else {}),
             "gpus_busy": _number(busy_gpus), "gpus": _number(sum(float(ws.resources.get("GPU", 0))
                                                                 for ws in s.workers.values())),
             "elapsed": round(now - self.started, 1), "eta": eta, "updated": now,
@@ -287,14 +297,16 @@ class RunProgress(SchedulerPlugin):
             sampled = self.sampled.get(t.key, {})
             start, stop = (sampled["start"], sampled["stop"]) if "stop" in sampled else (t.start, t.stop)
             trial = {"key": t.key, "worker": t.worker, "start": start, "stop": stop,
-                     "failed": t.failed or bool(sampled.get("failed")), "asked_gpu": t.asked_gpu}
+                     "failed": t.failed or bool(sampled.get("failed")), "asked_gpu": t.asked_gpu,
+                     **({"interrupted": True} if t.interrupted else {})}
             trial |= {k: v for k, v in sampled.items() if k.startswith("gpu")}
             trials.append(trial)
         return {"started": self.started, "ended": ended,
                 "workers": [{"name": w.name, "gpus": w.gpus, "gpu_ids": w.gpu_ids, "nthreads": w.nthreads,
                              "memory_limit": w.memory_limit, "memory_peak": w.memory_peak, "joined": w.joined,
                              "left": min(w.left, ended) if w.left else ended} for w in self.workers.values()],
-                "trials": trials, "flow_runs": self.last.get("prefect", {}).get("flow_runs", [])}
+                "trials": trials, "flow_runs": self.last.get("prefect", {}).get("flow_runs", []),
+                "interrupted": self.interrupted}
 
 
 def attach_gpu_figures(report: dict[str, Any], api: Mapping[str, str], *, budget: float = ATTACH_SECONDS,

@@ -64,17 +64,22 @@ def build(record: dict[str, Any]) -> dict[str, Any]:
             gpus.append({"gpu": gpu, "worker": w["name"], **usage})
     trials = [{"key": t["key"], "worker": t["worker"], "gpus": _gpus_of(record, t["worker"]),
                "start": _r(t["start"] - t0), "duration_s": _r(t["stop"] - t["start"]), "failed": t["failed"],
+               **({"interrupted": True} if t.get("interrupted") else {}),
                **{k: t[k] for k in GPU_FIGURES if k in t}} for t in record["trials"]]
     return {"started": t0, "ended": record["ended"], "wall_s": _r(record["ended"] - t0),
             "gpu_figures": any(k in t for t in trials for k in GPU_FIGURES),
-            "gpus": gpus, "workers": workers, "trials": trials, "flow_runs": record.get("flow_runs", [])}
+            "gpus": gpus, "workers": workers, "trials": trials, "flow_runs": record.get("flow_runs", []),
+            "interrupted": record.get("interrupted", [])}
 
 
 def summary(report: dict[str, Any]) -> list[str]:
-    """Five lines: trials; GPUs (or workers) allocated, busy, idle; memory; trial durations; GPU figures."""
+    """Five lines: trials; GPUs (or workers) allocated, busy, idle; memory; trial durations; GPU figures; and
+    a sixth where the job's end interrupted trials: the work each lost (the time since its last checkpoint)."""
     trials, gpus, workers = report["trials"], report["gpus"], report["workers"]
     failed = sum(1 for t in trials if t["failed"])
-    lines = [f"{len(trials)} trials ({len(trials) - failed} done, {failed} failed) on {len(workers)} workers"
+    cut = sum(1 for t in trials if t.get("interrupted"))
+    lines = [f"{len(trials)} trials ({len(trials) - failed - cut} done, {failed} failed"
+             f"{f', {cut} interrupted' if cut else ''}) on {len(workers)} workers"
              f"{f' with {len(gpus)} GPUs' if gpus else ''} in {report['wall_s']:.1f} s"]
     for label, rows in (("GPU", gpus), ("worker", workers)) if gpus else (("worker", workers),):
         allocated = sum(r["allocated_s"] for r in rows)
@@ -104,7 +109,17 @@ def summary(report: dict[str, Any]) -> list[str]:
                      f" ({longest['key'][:40]}){gpu}")
     else:
         lines.append("trials: none ran")
-    return lines[:5]
+    return lines[:5] + _interrupted(report.get("interrupted") or [])
+
+
+def _interrupted(trials: list[dict[str, Any]]) -> list[str]:
+    if not trials:
+        return []
+    stopped = [t for t in trials if t.get("why")]
+    lost = ", ".join(f"{t['task']} {t['lost']:.0f} s" for t in trials)
+    return [f"interrupted: {len(trials)} trials ({len(trials) - len(stopped)} continued in the next job"
+            + (f", {len(stopped)} not continued: {stopped[0]['why']}" if stopped else "")
+            + f"); work lost since the last checkpoint: {lost}"]
 
 
 def load(view: Any, job_id: str) -> dict[str, Any]:

@@ -272,6 +272,7 @@ async def _tear_down(run: _Run) -> None:
     run.launcher.draining()
     run.rundir.clear_handoff()
     if run.progress is not None:  # report.json and its summary, while the workers are still there
+        run.progress.interrupted = run.ending.interrupted if run.ending is not None else []
         for line in run.progress.finish(run.rundir):
             logger.info(f"report: {line}")
     if run.scheduler is not None:

@@ -19,11 +19,14 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+from hpc_garage.core.sweep import CHECKPOINTS_DIR, TRIALS_DIR
+
+__all__ = ["CHECKPOINTS_DIR", "TRIALS_DIR", "any_stop", "note_trial", "on_stop", "reason", "stop", "stop_trials",
+           "trial"]
+
 logger = logging.getLogger(__name__)
 
 KEEP = 4096  # trials remembered per process: far more than run at once on one worker
-CHECKPOINTS_DIR = ".checkpoints"  # in the epoch's results directory: one directory per trial key
-TRIALS_DIR = ".trials"  # in the epoch's results directory: each interrupted trial's record (cluster/wind_down.py)
 
 _stopping = threading.Event()  # set once any stop reason is known here: the cheap test
 _reasons: dict[str | None, str] = {}  # trial (task run id hex) or None (every trial) -> why it should stop

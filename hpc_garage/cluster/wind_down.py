@@ -76,11 +76,15 @@ class Unfinished:
 
 def interruption(before: dict[str, Any] | None, trial: Unfinished, job_id: str, now: float,
                  max_continuations: int) -> dict[str, Any]:
-    """The trial's record after this interruption. Progress: a checkpoint written since it started in this
-    job; the work lost: the time since its newest checkpoint (since its start, without progress). Given up:
-    more than `max_continuations` interruptions in a row without progress."""
+    """The trial's record after this interruption. Progress: a checkpoint newer than the one its last
+    interruption saw (file times against file times: the shared storage's clock, never a node's); the work
+    lost: the time since its newest checkpoint (since its start, without progress). Given up: more than
+    `max_continuations` interruptions in a row without progress."""
     record = dict(before or {"task": trial.task, "trial": trial.trial, "interruptions": []})
-    progress = trial.checkpoint is not None and trial.checkpoint >= trial.started
+    seen = record.get("checkpoint")
+    progress = trial.checkpoint is not None and (seen is None or trial.checkpoint > float(seen))
+    if trial.checkpoint is not None:
+        record["checkpoint"] = trial.checkpoint
     lost = now - (trial.checkpoint if progress and trial.checkpoint is not None else trial.started)
     record["interruptions"] = [*record.get("interruptions", []),
                                {"job": job_id, "at": now, "progress": progress, "lost": round(max(lost, 0.0), 1)}]
@@ -113,6 +117,7 @@ class WindDown:
         self._lead = 0.0
         self.winding = False  # the trials were told to stop
         self.gave_up: list[dict[str, Any]] = []  # trials this job's end stopped continuing
+        self.interrupted: list[dict[str, Any]] = []  # for the report: each interrupted trial, the work it lost
         self._time_left = time_left  # None: no batch job, no end
         self._follow_up = follow_up  # submits the follow-up job, gives its id; None: requeue: never
         self._cancel = cancel
@@ -243,6 +248,9 @@ class WindDown:
             self._say(f"{interrupted} trials interrupted: work lost since their last checkpoint "
                       + ", ".join(f"{r['task']} {r['interruptions'][-1]['lost']:.0f} s" for r in records))
         self.gave_up = [r for r in records if "gave_up" in r]
+        self.interrupted = [{"task": r["task"], "trial": r["trial"], "lost": r["interruptions"][-1]["lost"],
+                             "progress": r["interruptions"][-1]["progress"], "why": r.get("gave_up")}
+                            for r in records]
         if self._follow_up is None:
             return
         if not new_results and not records:

@@ -24,6 +24,8 @@ NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 # file per task name + inputs), and one line per trial that ran again because its task's source changed.
 SOURCES_DIR = ".sources"
 SOURCE_CHANGES = ".source-changes.jsonl"
+CHECKPOINTS_DIR = ".checkpoints"  # one directory per trial (its result key): hpc_garage.trial.checkpoint_dir()
+TRIALS_DIR = ".trials"  # one record per interrupted trial (its result key): cluster/wind_down.py writes it
 
 
 @dataclass(frozen=True)

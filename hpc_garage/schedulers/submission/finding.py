@@ -156,6 +156,23 @@ def sweep_text(sweep: dict[str, Any] | None) -> str | None:
     if changed := (sweep or {}).get("source_changed"):
         n = sum(changed.values())
         text += f"; {n} ran again because {'its' if n == 1 else 'their'} task's source changed ({', '.join(changed)})"
+    return text + interrupted_text((sweep or {}).get("interrupted"))
+
+
+def interrupted_text(cut: dict[str, Any] | None) -> str:
+    """`; 2 interrupted, to be continued; 2 continued from their checkpoints (work lost 12 s, at most 5 s);
+    trial train (3f2a…) not continued: longer than the walltime and never checkpoints` (sweeps.interruptions)."""
+    if not cut:
+        return ""
+    text = f"; {cut['interrupted']} interrupted, to be continued" if cut.get("interrupted") else ""
+    if cut.get("continued"):
+        text += (f"; {cut['continued']} continued from their checkpoints (work lost {cut.get('lost', 0):.0f} s, "
+                 f"at most {cut.get('lost_max', 0):.0f} s)")
+    by_why: dict[str, list[str]] = {}
+    for stopped in cut.get("stopped") or []:
+        by_why.setdefault(str(stopped["why"]), []).append(f"{stopped['task']} ({str(stopped['trial'])[:12]})")
+    for why, trials in by_why.items():
+        text += f"; trial{'s' if len(trials) > 1 else ''} {', '.join(trials)} not continued: {why}"
     return text
 
 

@@ -26,10 +26,11 @@ def wait(view: JobView, report: Callable[[str], None], *, interval: float = 0.5,
     sweep, sweep_read = None, 0.0
     while True:
         refresh(view)
-        for line in links((view.state or {}).get("progress") or {}) if note and links and not view.finished else ():
-            if line not in noted:
-                noted.add(line)
-                note(line)
+        if note and links and not view.finished:
+            for line in links((view.state or {}).get("progress") or {}):
+                if line not in noted:
+                    noted.add(line)
+                    note(line)
         text = f"job {view.job_id} {view.summary()}"
         if (view.record or {}).get("sweep") and (view.finished or time.monotonic() - sweep_read >= SWEEP_SECONDS):
             sweep, sweep_read = view.sweep(), time.monotonic()  # lists the results directory: not every poll

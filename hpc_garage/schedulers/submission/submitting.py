@@ -28,9 +28,9 @@ from hpc_garage.schedulers.submission.finding import find, refresh, results_root
 from hpc_garage.sweeps import SweepBook, add_job, next_epoch, sweep_of
 
 if TYPE_CHECKING:
-    from hpc_garage.schedulers.jobscript import JobSpec
     from hpc_garage.core.layout import Layout
     from hpc_garage.core.site import Site
+    from hpc_garage.schedulers.jobscript import JobSpec
 
 
 @dataclass(frozen=True)
@@ -63,8 +63,8 @@ def prepare(
 
     The job belongs to sweep `sweep` (default: derived from the site, the script and its arguments): a
     fresh epoch of it, or with `resume` the latest one, whose finished trials the job reads back."""
-    from hpc_garage.schedulers.jobscript import job_name_for, job_spec, render
     from hpc_garage.schedulers import get
+    from hpc_garage.schedulers.jobscript import job_name_for, job_spec, render
     from hpc_garage.sites import load_site
 
     site = load_site(site_name)

@@ -1,0 +1,114 @@
+"""(issue 24) What the per-trial API costs trials that never call it: tasks/s of a flow of N trivial swept
+tasks (cached on the sweep's results directory, as under `hpc-garage run`) through hpc-garage's
+`task_runner()` on one running cluster (2 workers x 1 thread), the trial bookkeeping on vs bypassed.
+
+    python -m bench.trial_cost --tasks 200 --runs 5 --out trial_cost.json
+
+The one per-task cost issue 24 adds: the sweep cache notes each trial's result key by its task run id as it
+computes it (cluster/stopping.note_trial, a bounded dictionary insert), for `checkpoint_dir()` and the
+wind-down's record. `should_stop()`, `checkpoint_dir()` and the wind-down cost nothing to a trial that never
+calls them. Bypassed: the note replaced by a no-op in the workers (client.run) for that flow only. Both
+contenders run on the same cluster, interleaved within each run, with fresh inputs each run (no result is
+read back from an earlier one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import Figure, compare, prefect_and_cluster, say, wait_idle
+
+GROUP = "issue 24 per-trial API, trials that never call it: {n} trivial swept tasks, 2 workers x 1 thread"
+ON = "hpc-garage task_runner(), trial bookkeeping on (default)"
+OFF = "hpc-garage task_runner(), trial bookkeeping bypassed"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tasks", type=int, default=200)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    Path(args.out).write_text(json.dumps(measure(args.tasks, args.runs), indent=2))
+    return 0
+
+
+def measure(n: int, runs: int) -> dict[str, Any]:
+    from hpc_garage.variables import RESULTS_ENV, SWEEP_ENV
+
+    with tempfile.TemporaryDirectory(prefix="bench-trial-cost-") as results:
+        os.environ[SWEEP_ENV], os.environ[RESULTS_ENV] = "bench-trial-cost@1", results  # as `run` exports them
+        with prefect_and_cluster() as (info, server_pid):
+            found = _measure(info["address"], n, runs, server_pid)
+        stored = sum(1 for p in Path(results).iterdir() if p.is_file() and not p.name.startswith("."))
+        assert stored >= n * runs * 2, f"{stored} results stored: the tasks did not run under the sweep cache"
+        return found | {"results_stored": stored}
+
+
+def _measure(address: str, n: int, runs: int, server_pid: int) -> dict[str, Any]:
+    from distributed import Client
+    from prefect import flow, task
+
+    import hpc_garage
+
+    @task
+    def trivial(i: int) -> int:
+        return i
+
+    @flow(task_runner=hpc_garage.task_runner(address=address), name="bench-trial-cost")
+    def many(first: int, count: int) -> tuple[float, list[int]]:
+        start = time.perf_counter()
+        values = [f.result() for f in trivial.map(range(first, first + count))]
+        return time.perf_counter() - start, values
+
+    def bypass(on: bool) -> None:  # nested: pickled by value, so the workers need not import bench
+        from hpc_garage.cluster import stopping
+        from hpc_garage.prefect import sweep_cache
+
+        sweep_cache.note_trial = (lambda run_id, key, task: None) if on else stopping.note_trial
+
+    first = [0]
+
+    def run(bypassed: bool, count: int) -> dict[str, Any]:
+        with Client(address) as client:
+            assert set(client.run(bypass, bypassed).values()) == {None}
+        try:
+            start = time.perf_counter()
+            inner, values = many(first[0], count)
+            wall = time.perf_counter() - start
+        finally:
+            with Client(address) as client:
+                client.run(bypass, False)
+        assert values == list(range(first[0], first[0] + count))
+        first[0] += count  # fresh inputs: every task runs and stores its result
+        return {"inner": inner, "wall": wall}
+
+    contenders = {ON: False, OFF: True}
+    for name, bypassed in contenders.items():  # warm-up: imports, first flow run
+        say(f"trial cost: warm-up {name}")
+        run(bypassed, min(n, 5))
+    samples: dict[str, list[dict[str, Any]]] = {name: [] for name in contenders}
+    for i in range(runs):
+        order = list(contenders.items()) if i % 2 == 0 else list(contenders.items())[::-1]  # neither always first
+        for name, bypassed in order:
+            if server_pid:
+                wait_idle(server_pid)
+            result = run(bypassed, n)
+            samples[name].append(result)
+            say(f"trial cost run {i + 1}/{runs}: {name}: {n / result['inner']:.1f} tasks/s")
+    group = GROUP.format(n=n)
+    figures = [Figure(group, name, "tasks/s", [n / s["inner"] for s in samples[name]], ours=name == ON,
+                      higher_is_better=True) for name in contenders]
+    compare(figures, ">= 0.95x bypassed (nothing measurable per task)",
+            lambda ours, peers: ours.ratios[OFF] >= 0.95)
+    return {"figures": [f.to_dict() for f in figures], "tasks": n}
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,114 @@
+"""distributed's private names: the scheduler and the clusters hpc-garage drives without a public hook for it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from hpc_garage.compat import versions
+from hpc_garage.compat.versions import uses
+
+
+@uses("distributed", "distributed.utils._forkserver_preload_set")
+def skip_forkserver_optional_preload() -> bool:
+    """distributed, when a Nanny first uses the forkserver, preloads every optional package it knows
+    (pandas, numpy, ...) into it. Ours is preloaded already; mark it done. Fallback where the flag is gone:
+    nothing (distributed then imports those packages, which only costs start-up time)."""
+    import distributed.utils
+
+    if not versions.in_range("distributed") or not hasattr(distributed.utils, "_forkserver_preload_set"):
+        return False
+    distributed.utils._forkserver_preload_set = True
+    return True
+
+
+@uses("distributed", "Scheduler.handle_worker_status_change / Scheduler.stream_comms / op worker-status-change")
+def pause_workers(scheduler: Any) -> int:
+    """Pause every running worker, as distributed does for memory pressure: a paused worker finishes the
+    tasks it is executing and starts no other, and the scheduler hands it none. (No public call pauses a
+    worker; retire_workers moves work elsewhere instead of stopping it, which is not what a job about to
+    end needs.) How many were paused."""
+    from distributed.core import Status
+
+    paused = 0
+    stimulus_id = f"hpc-garage-wind-down-{time.time()}"
+    for ws in list(scheduler.workers.values()):
+        if ws.status != Status.running:
+            continue
+        scheduler.handle_worker_status_change(Status.paused, ws, stimulus_id)
+        scheduler.stream_comms[ws.address].send(
+            {"op": "worker-status-change", "status": "paused", "stimulus_id": stimulus_id})
+        paused += 1
+    return paused
+
+
+@uses("distributed", "op run (Client.run's message to workers) / Scheduler.broadcast / Serialized")
+async def run_on_workers(scheduler: Any, function: Any, *args: Any, timeout: float = 10.0) -> dict[str, Any]:
+    """`function(*args)` on every worker, from the scheduler's own process, as Client.run does it (the
+    scheduler has no client of its own): {worker address: its answer}; a worker that fails or does not
+    answer within `timeout` is left out. `function` is pickled by reference: it must be importable there."""
+    import asyncio
+
+    from distributed.protocol import deserialize, pickle
+    from distributed.protocol.serialize import Serialized
+
+    msg = {"op": "run", "function": pickle.dumps(function), "args": pickle.dumps(args),
+           "kwargs": pickle.dumps({}), "wait": True}
+    try:
+        answers = await asyncio.wait_for(scheduler.broadcast(msg=msg, on_error="ignore"), timeout)
+    except (asyncio.TimeoutError, OSError):
+        return {}
+    found: dict[str, Any] = {}
+    for address, answer in answers.items():
+        if not isinstance(answer, dict) or answer.get("status") != "OK":
+            continue
+        result = answer.get("result")
+        if isinstance(result, Serialized):
+            result = deserialize(result.header, result.frames)
+        found[address] = result
+    return found
+
+
+@uses("distributed", "Scheduler._instances")
+def scheduler_at(address: str) -> Any:
+    """The Scheduler object in this process listening at `address`, or None. (The jobqueue launcher
+    attaches dask-jobqueue's clusters to `run`'s own scheduler; distributed keeps no public registry.)"""
+    from distributed import Scheduler
+
+    return next((s for s in Scheduler._instances if s.address == address), None)
+
+
+@uses("distributed", "Scheduler.valid_workers")
+def replace_valid_workers(scheduler: Any, valid_workers: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """Install `valid_workers` as the scheduler's worker filter; return the scheduler's own. (No plugin hook
+    decides which workers may take a task: dask/distributed #6467, #9108.)"""
+    own = scheduler.valid_workers
+    scheduler.valid_workers = valid_workers
+    return own
+
+
+@uses("distributed", "SpecCluster._correct_state")
+async def correct_state(cluster: Any) -> None:
+    """Make a SpecCluster start the jobs its worker_spec gained now, so a refusal is seen by the caller
+    (SpecCluster.scale only schedules it)."""
+    await cluster._correct_state()
+
+
+@uses("distributed", "SpecCluster._new_worker_name / SpecCluster._i / Cluster._update_worker_status")
+def attached_spec_cluster(base: type) -> type:
+    """A dask-jobqueue cluster class that never reuses a job name (an old job's workers may linger under it)
+    and that does not itself replace workers that leave (the launcher does, by its own policy)."""
+    from distributed.deploy.cluster import Cluster
+
+    class Attached(base):  # type: ignore[misc, valid-type]
+        def new_worker_spec(self) -> dict[str, Any]:
+            name = self._new_worker_name(self._i)
+            self._i += 1
+            return {name: self.new_spec}
+
+        def _update_worker_status(self, op: str, msg: Any) -> None:
+            Cluster._update_worker_status(self, op, msg)
+
+    Attached.__name__ = Attached.__qualname__ = f"Attached{base.__name__}"
+    return Attached

@@ -1,0 +1,143 @@
+"""Trials longer than a job (issue 24), on the real local SLURM: continued from their checkpoints across
+walltime follow-ups, a warning signal, cancel + resume; the endless job chain stopped; no stale checkpoint;
+the same script outside a job. The work each trial did is counted from what it writes
+(tests/data/long_trials.py: `work-<i>-<pid>-<ns>`, one file per attempt)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import DATA
+from tests.slurm_jobs import wait_gone
+from tests.test_durable import hpcg, site_file, sweep_record
+
+SWEEP = DATA / "long_trials.py"
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+LONG_SITE = "requeue: auto\nwalltime_margin: 15s\ncheckpoint_grace: 10s\n"
+
+
+def attempts(marks: Path) -> dict[int, list[dict]]:
+    """Per trial, each attempt's record (seconds worked, the step it started from), oldest first."""
+    found: dict[int, list[tuple[int, dict]]] = defaultdict(list)
+    for p in marks.glob("work-*"):
+        _, i, _pid, ns = p.name.split("-")
+        try:
+            found[int(i)].append((int(ns), json.loads(p.read_text())))
+        except ValueError:
+            continue  # killed mid-write: its last second is lost with it
+    return {i: [r for _, r in sorted(rs, key=lambda x: x[0])] for i, rs in found.items()}
+
+
+def submit_long(tmp_path: Path, site: Path, duration: float, every: int, *extra: str,
+                timeout: float = 120) -> subprocess.CompletedProcess:
+    return hpcg(["submit", "--site", str(site), "--nodes", "1", "--gpus-per-node", "2", *extra, str(SWEEP),
+                 "--trials", "2", "--duration", str(duration), "--every", str(every), "--marks",
+                 str(tmp_path / "marks"), "--out", str(tmp_path / "out.json")], tmp_path, timeout=timeout)
+
+
+def test_trials_longer_than_the_walltime_are_continued_across_jobs(tmp_path: Path) -> None:
+    """2 GPU trials of 150 s that checkpoint every 10 s, `--time 1`: the sweep completes unattended over
+    several jobs, and each interruption loses at most 15 s of a trial's work."""
+    done = submit_long(tmp_path, site_file(tmp_path, LONG_SITE), 150, 10, "--time", "1", "--wait", timeout=1500)
+    print(done.stdout)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert json.loads((tmp_path / "out.json").read_text())["result"] == 1
+    jobs = sweep_record(tmp_path)["epochs"]["1"]["jobs"]
+    assert len(jobs) >= 3, jobs
+    for i, runs in attempts(tmp_path / "marks").items():
+        worked = sum(r["worked"] for r in runs)
+        interruptions = len(runs) - 1
+        print(f"trial {i}: {len(runs)} attempts, {worked:.0f} s of work, "
+              f"{(worked - 150) / max(interruptions, 1):.1f} s lost per interruption")
+        assert interruptions >= 2 and worked <= 150 + 15 * interruptions, runs
+        assert all(r["from"] > 0 for r in runs[1:]), runs  # every later attempt resumed from a checkpoint
+    assert re.search(r"trials interrupted: work lost since their last checkpoint", done.stdout + done.stderr) or \
+        any("trials interrupted" in p.read_text() for p in (tmp_path / "runs").glob("*.out"))
+
+
+def test_trials_that_never_checkpoint_end_the_chain_with_the_reason(tmp_path: Path) -> None:
+    """The same sweep without checkpoints, `max_continuations: 1`: at most 2 jobs, then the chain stops with
+    the one-line reason and exit code 75 (today's code chained on: 7 jobs in 7 minutes, still going)."""
+    # a margin that leaves the teardown time enough on this shared machine, with trials still running
+    site = site_file(tmp_path, LONG_SITE.replace("15s", "30s") + "max_continuations: 1\n")
+    done = submit_long(tmp_path, site, 150, 0, "--time", "1", "--wait", timeout=600)
+    print(done.stdout, done.stderr)
+    assert done.returncode == 75, done.stdout + done.stderr
+    jobs = sweep_record(tmp_path)["epochs"]["1"]["jobs"]
+    assert len(jobs) == 2, jobs
+    logs = "".join(p.read_text() for p in (tmp_path / "runs").glob("*.out"))
+    assert re.search(r"trial train \(\w+\) is not continued: longer than the walltime and never checkpoints", logs)
+    assert re.search(r"sweep: 0 done, .*; trials train \(\w+\), train \(\w+\) not continued: longer than the "
+                     r"walltime and never checkpoints$", done.stdout.strip().splitlines()[-1])
+    last = done.stdout.strip().splitlines()[-1]
+    assert "longer than the walltime and never checkpoints" in last, last
+
+
+def test_a_warning_signal_then_cancel_and_resume_continue_from_the_checkpoint(tmp_path: Path) -> None:
+    site = site_file(tmp_path, "warning_signal: USR1@40\ncheckpoint_grace: 10s\n")
+    done = submit_long(tmp_path, site, 60, 5, "--time", "10")
+    assert done.returncode == 0, done.stdout + done.stderr
+    job = re.search(r"submitted job (\S+)", done.stdout).group(1)
+    marks = tmp_path / "marks"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and not any(r[-1]["step"] >= 12 for r in attempts(marks).values() if r):
+        time.sleep(1)
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job], check=True)  # what SLURM sends at USR1@40
+    wait_gone(job, 120)
+    first = attempts(marks)
+    assert all(1 <= len(r) for r in first.values()) and len(first) == 2, first
+    resumed = hpcg(["resume", job, "--site", str(site), "--wait"], tmp_path, timeout=400)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert json.loads((tmp_path / "out.json").read_text())["result"] == 1
+    for i, runs in attempts(marks).items():
+        assert len(runs) == 2 and runs[1]["from"] >= runs[0]["step"] - 5 and runs[1]["from"] > 0, runs
+    # cancel + resume mid-trial: the checkpoints on disk carry the trial on (a fresh epoch would not)
+    again = submit_long(tmp_path, site, 60, 5, "--time", "10")
+    job = re.search(r"submitted job (\S+)", again.stdout).group(1)
+    before = {i: len(r) for i, r in attempts(marks).items()}
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and not all(len(attempts(marks).get(i, [])) > before[i] and
+                                                  attempts(marks)[i][-1]["step"] >= 12 for i in before):
+        time.sleep(1)
+    assert all(attempts(marks)[i][-1]["from"] == 0 for i in before)  # a new epoch starts clean
+    assert hpcg(["cancel", job, "--site", str(site)], tmp_path).returncode == 0
+    wait_gone(job, 120)
+    resumed = hpcg(["resume", job, "--site", str(site), "--wait"], tmp_path, timeout=400)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert all(attempts(marks)[i][-1]["from"] >= 10 for i in before), attempts(marks)
+
+
+def test_the_same_script_runs_on_a_login_node_and_outside_hpc_garage(tmp_path: Path) -> None:
+    """`hpc-garage run` on a login node and plain `python`, unchanged; and no stale checkpoint: a trial whose
+    inputs changed, resumed in the same epoch, starts clean beside the old one."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "HPC_GARAGE"))}
+    site = site_file(tmp_path)
+
+    def args(duration: int) -> list[str]:
+        return [str(SWEEP), "--trials", "2", "--duration", str(duration), "--every", "1", "--marks", str(tmp_path / "m")]
+
+    def run(*extra: str, duration: int = 3) -> None:
+        done = subprocess.run(["python3", "-m", "hpc_garage", "run", "--site", str(site), "--sweep", "same", *extra,
+                               "--", "python3", *args(duration), "--out", str(tmp_path / "a.json")],
+                              capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+        assert done.returncode == 0, done.stdout + done.stderr
+
+    run()
+    checkpoints = tmp_path / "runs" / "sweeps" / "same" / "1" / ".checkpoints"
+    assert len(list(checkpoints.iterdir())) == 2  # under `run`: the sweep's directory
+    run("--resume", duration=4)  # the inputs changed: new keys, and the new attempts start from step 0
+    assert len(list(checkpoints.iterdir())) == 4
+    assert [r[-1]["from"] for r in attempts(tmp_path / "m").values()] == [0, 0]
+    plain = subprocess.run(["python3", *args(3), "--out", str(tmp_path / "b.json")], capture_output=True, text=True,
+                           cwd=tmp_path, env={**env, "HPC_GARAGE_SITE": str(site)}, timeout=300)
+    assert plain.returncode == 0, plain.stdout + plain.stderr
+    assert len(list((tmp_path / ".hpc-garage-checkpoints").iterdir())) == 2  # outside hpc-garage: a local one

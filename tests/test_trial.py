@@ -1,0 +1,154 @@
+"""The per-trial API (hpc_garage/trial.py, cluster/stopping.py) and the wind-down's pure decisions about
+interrupted trials (cluster/wind_down.py), without a cluster: outside hpc-garage, a stop per trial, the
+checkpoint key, the grace timing, when the job chain stops."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from hpc_garage import trial
+from hpc_garage.cluster import stopping
+from hpc_garage.cluster.wind_down import (EX_TEMPFAIL, NEVER_CHECKPOINTS, Unfinished, WindDown, follow_up_needed,
+                                          interruption, lead_for)
+from hpc_garage.core.site import Site
+
+
+@pytest.fixture(autouse=True)
+def _fresh() -> Any:
+    stopping.reset()
+    yield
+    stopping.reset()
+
+
+def site(**extra: Any) -> Site:
+    return Site.model_validate({"name": "t", "scheduler": "slurm", "node": {"cores": 4, "memory": "8GiB"}, **extra})
+
+
+def test_outside_hpc_garage_nothing_stops_and_the_directory_is_local(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HPC_GARAGE_SWEEP", raising=False)
+    assert trial.should_stop() is False and trial.stop_reason() is None
+    path = trial.checkpoint_dir()
+    assert path == tmp_path / trial.LOCAL_DIR / "default" and path.is_dir()
+    assert issubclass(trial.Interrupted, BaseException) and not issubclass(trial.Interrupted, Exception)
+
+
+def test_a_stop_reaches_every_trial_or_one_and_callbacks_run_once() -> None:
+    heard: list[str] = []
+    trial.on_stop(heard.append)
+    stopping.stop("pruned", trial="aa")  # one trial only (the reason a pruner will give)
+    assert stopping.reason("aa") == "pruned" and stopping.reason("bb") is None and heard == ["pruned"]
+    stopping.stop("walltime: 30 s left")
+    stopping.stop("walltime: 30 s left")  # told twice: heard once
+    assert stopping.reason("bb") == "walltime: 30 s left" and stopping.reason("aa") == "pruned"
+    assert heard == ["pruned", "walltime: 30 s left"]
+    assert trial.should_stop() is True  # outside a task run: the job-wide reason
+    late: list[str] = []
+    trial.on_stop(late.append)
+    assert late == ["walltime: 30 s left"]
+
+
+def test_the_workers_answer_what_they_know_of_the_running_trials() -> None:
+    stopping.note_trial("r1", "KEY1", "train")
+    answer = stopping.stop_trials("signal SIGUSR1", ["r1", "r2"])
+    assert set(answer) == {"r1"} and answer["r1"]["key"] == "KEY1" and stopping.any_stop()
+    for n in range(stopping.KEEP + 10):  # bounded
+        stopping.note_trial(f"x{n}", "K", "t")
+    assert stopping.trial("r1") is None and stopping.trial(f"x{stopping.KEEP + 9}") is not None
+
+
+def _ctx(fn: Any, params: dict[str, Any]) -> Any:
+    from prefect import task
+
+    return SimpleNamespace(task=task(fn), task_run=SimpleNamespace(id=uuid.uuid4()), parameters=params)
+
+
+def _one(x: int) -> int:
+    return x
+
+
+def _other(x: int) -> int:
+    return x + 1
+
+
+def test_the_checkpoint_key_is_the_result_key_source_inputs_and_epoch() -> None:
+    from hpc_garage.prefect.sweep_cache import sweep_policy, trial_key
+
+    key = trial_key(_ctx(_one, {"x": 1}), "s@1")
+    assert key == trial_key(_ctx(_one, {"x": 1}), "s@1")  # every attempt of the trial
+    ctx = _ctx(_one, {"x": 1})
+    assert key == sweep_policy("s@1").compute_key(task_ctx=ctx, inputs={"x": 1}, flow_parameters={})  # = result's
+    assert key != trial_key(_ctx(_one, {"x": 2}), "s@1")  # inputs changed
+    assert key != trial_key(_ctx(_other, {"x": 1}), "s@1")  # source changed
+    assert key != trial_key(_ctx(_one, {"x": 1}), "s@2")  # a fresh submit: a new epoch
+    noted = _ctx(_one, {"x": 1})
+    stopping.note_trial(noted.task_run.id.hex, "NOTED", "one")  # computed once, as Prefect computed it
+    assert trial_key(noted, "s@1") == "NOTED"
+
+
+@pytest.mark.parametrize(("margin", "grace", "limit", "lead"), [
+    (600, 60, 86400, 600),  # a day's job: the margin leaves room enough
+    (600, 900, 86400, 1200),  # a slow checkpoint: told 15 min before the kill at margin / 2
+    (30, 60, 60, 30),  # a 1-min job: never more than half of it
+    (15, 10, 60, 17.5),  # the tests' site
+])
+def test_trials_are_told_their_grace_before_they_would_be_killed(margin: float, grace: float, limit: float,
+                                                                 lead: float) -> None:
+    assert lead_for(margin, grace, limit) == lead
+
+
+def test_a_trial_without_progress_is_continued_at_most_n_times() -> None:
+    never = Unfinished("k", "train", started=100.0, checkpoint=None)
+    record = None
+    for job in range(3):
+        record = interruption(record, never, str(job), 130.0, max_continuations=2)
+        assert record["interruptions"][-1] == {"job": str(job), "at": 130.0, "progress": False, "lost": 30.0}
+        assert ("gave_up" in record) == (job == 2)
+        assert follow_up_needed([record], 0) == (job < 2)  # 2 follow-ups, then the chain ends
+    assert record["gave_up"] == NEVER_CHECKPOINTS and follow_up_needed([record], new_results=1)  # others go on
+    saved = Unfinished("k", "train", started=100.0, checkpoint=125.0)  # progress: counted afresh, 5 s lost
+    record = interruption(record, saved, "3", 130.0, max_continuations=2)
+    assert record["without_progress"] == 0 and "gave_up" not in record and record["interruptions"][-1]["lost"] == 5
+    stale = Unfinished("k", "train", started=200.0, checkpoint=125.0)  # only the old checkpoint, read back
+    for job in range(3):
+        record = interruption(record, stale, str(4 + job), 230.0, max_continuations=2)
+    assert record["gave_up"] == "no new checkpoint in 3 jobs in a row" and record["interruptions"][-1]["lost"] == 30
+
+
+def test_the_job_chain_ends_with_the_trial_named_and_exit_code_75(tmp_path: Path) -> None:
+    """What today's code did (a follow-up whenever a trial ran in the job) and what it does now, job by job,
+    for a trial that never checkpoints."""
+    submitted: list[str] = []
+    jobs = 0
+    while jobs < 10:
+        jobs += 1
+        said: list[str] = []
+        ending = WindDown(site(requeue="auto"), str(jobs), None, lambda: submitted.append("n") or str(len(submitted)),
+                          lambda other: None, results=tmp_path)
+        ending.bind(said.append, lambda **kw: None)
+        ending.stopped = True
+        ending._decide([Unfinished("k1", "train", started=0.0, checkpoint=None)], asyncio.new_event_loop())
+        if ending.next_job is None:
+            break
+    assert jobs == 3 and len(submitted) == 2  # max_continuations: 2
+    assert ending.exit_code(143) == EX_TEMPFAIL
+    assert any(f"trial train (k1) is not continued: {NEVER_CHECKPOINTS}" in line for line in said), said
+    record = json.loads((tmp_path / stopping.TRIALS_DIR / "k1.json").read_text())
+    assert len(record["interruptions"]) == 3 and record["gave_up"] == NEVER_CHECKPOINTS
+
+
+def test_a_command_ended_by_an_interrupted_trial_keeps_the_follow_up_job() -> None:
+    cancelled: list[str] = []
+    ending = WindDown(site(requeue="auto"), "42", None, None, cancelled.append)
+    ending.bind(lambda line: None, lambda **kw: None)
+    ending.winding, ending.next_job = True, "43"
+    assert ending.exit_code(1) == 0 and not cancelled  # the flow ended because a trial raised Interrupted
+    assert ending.exit_code(0) == 0 and cancelled == ["43"]  # it finished the sweep after all
