@@ -130,3 +130,12 @@ def test_the_built_site_renders_in_chromium_with_screenshots_kept(tmp_path: Path
         page.screenshot(path=str(shots / "docs-how-to-site-file.png"), full_page=False)
     for name in ("docs-front-page.png", "docs-how-to-site-file.png"):
         assert (shots / name).stat().st_size > 10_000, name
+
+
+def test_the_readmes_shown_commands_print_what_it_shows(tmp_path: Path) -> None:
+    """The README's tested blocks (no SLURM needed) print what the README shows."""
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    assert blocks(ROOT / "README.md"), "the README has no tested block"
+    failures = run_page(ROOT / "README.md", tmp_path, env, needs=set())
+    assert not failures, "\n\n".join(failures)

@@ -18,6 +18,7 @@ from hpc_garage.cluster import stopping
 from hpc_garage.cluster.wind_down import (EX_TEMPFAIL, NEVER_CHECKPOINTS, Unfinished, WindDown, follow_up_needed,
                                           interruption, lead_for)
 from hpc_garage.core.site import Site
+from hpc_garage.variables import RESULTS_ENV, SWEEP_ENV
 
 
 @pytest.fixture(autouse=True)
@@ -34,7 +35,7 @@ def site(**extra: Any) -> Site:
 def test_outside_hpc_garage_nothing_stops_and_the_directory_is_local(tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("HPC_GARAGE_SWEEP", raising=False)
+    monkeypatch.delenv(SWEEP_ENV, raising=False)
     assert trial.should_stop() is False and trial.stop_reason() is None
     path = trial.checkpoint_dir()
     assert path == tmp_path / trial.LOCAL_DIR / "default" and path.is_dir()
@@ -152,3 +153,21 @@ def test_a_command_ended_by_an_interrupted_trial_keeps_the_follow_up_job() -> No
     ending.winding, ending.next_job = True, "43"
     assert ending.exit_code(1) == 0 and not cancelled  # the flow ended because a trial raised Interrupted
     assert ending.exit_code(0) == 0 and cancelled == ["43"]  # it finished the sweep after all
+
+
+def test_a_follow_up_job_starts_the_interrupted_trials_first(tmp_path: Path) -> None:
+    from prefect import task
+
+    from hpc_garage.prefect.sweep_cache import SweepTasks, trial_key
+
+    fresh = SweepTasks({SWEEP_ENV: "s@1", RESULTS_ENV: str(tmp_path)})
+    one = task(_one)
+    assert not fresh.interrupted_first(one, {"x": 1})  # no record in the epoch: nothing computed
+    key = trial_key(_ctx(_one, {"x": 1}), "s@1")
+    (tmp_path / stopping.TRIALS_DIR).mkdir()
+    (tmp_path / stopping.TRIALS_DIR / f"{key}.json").write_text(json.dumps({"trial": key, "interruptions": [{}]}))
+    tasks = SweepTasks({SWEEP_ENV: "s@1", RESULTS_ENV: str(tmp_path)})
+    assert tasks.interrupted_first(one, {"x": 1}) and not tasks.interrupted_first(one, {"x": 2})
+    (tmp_path / key).write_text("{}")  # it finished since: nothing to put first
+    assert not SweepTasks({SWEEP_ENV: "s@1", RESULTS_ENV: str(tmp_path)}).interrupted_first(
+        one, {"x": 1})

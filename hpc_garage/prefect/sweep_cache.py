@@ -23,6 +23,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from prefect.cache_policies import (INPUTS, NO_CACHE, TASK_SOURCE, CachePolicy, CompoundCachePolicy, Inputs,
@@ -32,7 +33,7 @@ from prefect.utilities.hashing import hash_objects
 from hpc_garage.cluster.stopping import note_trial
 from hpc_garage.cluster.stopping import trial as note_of
 from hpc_garage.compat import cache_policy_unset
-from hpc_garage.core.sweep import SOURCE_CHANGES, SOURCES_DIR
+from hpc_garage.core.sweep import SOURCE_CHANGES, SOURCES_DIR, TRIALS_DIR
 from hpc_garage.files import append_private, write_private
 from hpc_garage.variables import RESULTS_ENV, SWEEP_ENV
 
@@ -67,7 +68,7 @@ class SweepPolicy(CompoundCachePolicy):
             note_source(Path(self.results), task_ctx.task.name, by_kind.get(TaskSource), by_kind.get(Inputs))
         found = [key for _, key in keys if key is not None]
         key = hash_objects(*found, raise_on_failure=True) if found else None
-        if key is not None and task_ctx is not None:  # the trial's checkpoint directory and wind-down record
+        if key is not None and getattr(task_ctx, "task_run", None) is not None:  # its checkpoint dir, its record
             note_trial(task_ctx.task_run.id.hex, key, task_ctx.task.name)
         return key
 
@@ -116,6 +117,20 @@ def sweep_policy(sweep: str, results: Path | None = None) -> CachePolicy:
     return SweepPolicy(policies=[TASK_SOURCE, INPUTS, SweepScope(sweep=sweep)], results=str(results or ""))
 
 
+def _interrupted_keys(results: Path) -> set[str]:
+    """The epoch's trials interrupted and still to be continued: a record, no result, not given up."""
+    found = set()
+    for record in (results / TRIALS_DIR).glob("*.json") if (results / TRIALS_DIR).is_dir() else ():
+        try:
+            data = json.loads(record.read_text())
+        except (OSError, ValueError):
+            continue
+        key = str(data.get("trial", ""))
+        if key and not key.startswith("task:") and "gave_up" not in data and not (results / key).exists():
+            found.add(key)
+    return found
+
+
 class SweepTasks:
     """Gives each task the sweep's caching, once per task object (a flow submits one task many times)."""
 
@@ -124,6 +139,20 @@ class SweepTasks:
         self.sweep = env.get(SWEEP_ENV) or None
         self.storage = Path(env[RESULTS_ENV]) if self.sweep and env.get(RESULTS_ENV) else None
         self._done: dict[int, tuple[Any, Any]] = {}  # id(task) -> (task, its sweep version)
+        self._interrupted: set[str] | None = None  # result keys of the epoch's interrupted trials, read once
+
+    def interrupted_first(self, task: Any, parameters: dict[str, Any]) -> bool:
+        """Whether this call continues a trial an earlier job of the epoch interrupted (cluster/wind_down.py's
+        records): the follow-up job starts those first. Free where the epoch has none (one directory read per
+        flow); else the trial's key, computed as its result's."""
+        if self._interrupted is None:
+            self._interrupted = _interrupted_keys(self.storage) if self.storage is not None else set()
+        if not self._interrupted:
+            return False
+        ctx = SimpleNamespace(task=task, task_run=None, parameters=parameters)
+        key = SweepPolicy(policies=[TASK_SOURCE, INPUTS, SweepScope(sweep=str(self.sweep))]).compute_key(
+            task_ctx=ctx, inputs=parameters, flow_parameters={})
+        return key in self._interrupted
 
     def __call__(self, task: Any) -> Any:
         if self.storage is None:

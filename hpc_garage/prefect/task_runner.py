@@ -192,7 +192,8 @@ class HpcTaskRunner(DaskTaskRunner):
         if call is None:
             future = super().submit(task, parameters, wait_for, dependencies)
         else:
-            dask_future = self.client.submit(prefect_fast.run_task, key=call.key, pure=False, **call.kwargs)
+            first = {"priority": 1} if self._sweep_tasks.interrupted_first(task, parameters) else {}  # issue 24
+            dask_future = self.client.submit(prefect_fast.run_task, key=call.key, pure=False, **first, **call.kwargs)
             # as prefect-dask's client does: Prefect finds a downstream task's upstream runs (and so their
             # assets) through the task_run_id of the dask futures among its arguments
             dask_future.task_run_id = call.task_run_id

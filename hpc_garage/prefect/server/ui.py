@@ -1,7 +1,6 @@
-"""The UI: served at the server's root (HPC_GARAGE_PREFECT_UI=0 leaves it off), so the "View at" link Prefect
-prints opens.
+"""Prefect's UI on our server: served at its root, behind its auth string.
 
-Its pages are public files, but every call for data goes to the API, behind the auth string (the UI's login
+At the root (HPC_GARAGE_PREFECT_UI=0 leaves it off), so the "View at" link Prefect prints opens. Its pages are public files, but every call for data goes to the API, behind the auth string (the UI's login
 page asks for it, `hpc-garage server auth` prints it), and so do the event and log websockets (Prefect checks
 their in-band auth message since PrefectHQ/prefect#17741; seen on 3.8.8 and 3.9.1, tests/test_prefect_ui.py
 checks every route). The UI asks for the API at `/api` of the page it was loaded from, so it works through any
