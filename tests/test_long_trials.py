@@ -98,7 +98,7 @@ def test_a_warning_signal_then_cancel_and_resume_continue_from_the_checkpoint(tm
     resumed = hpcg(["resume", job, "--site", str(site), "--wait"], tmp_path, timeout=400)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert json.loads((tmp_path / "out.json").read_text())["result"] == 1
-    for i, runs in attempts(marks).items():
+    for runs in attempts(marks).values():
         assert len(runs) == 2 and runs[1]["from"] >= runs[0]["step"] - 5 and runs[1]["from"] > 0, runs
     # cancel + resume mid-trial: the checkpoints on disk carry the trial on (a fresh epoch would not)
     again = submit_long(tmp_path, site, 60, 5, "--time", "10")

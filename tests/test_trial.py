@@ -115,6 +115,8 @@ def test_a_trial_without_progress_is_continued_at_most_n_times() -> None:
         assert ("gave_up" in record) == (job == 2)
         assert follow_up_needed([record], 0) == (job < 2)  # 2 follow-ups, then the chain ends
     assert record["gave_up"] == NEVER_CHECKPOINTS and follow_up_needed([record], new_results=1)  # others go on
+    saved = Unfinished("k", "train", started=100.0, checkpoint=125.0, ended=125.5)  # it stopped: 0.5 s lost
+    assert interruption(record, saved, "3", 130.0, max_continuations=2)["interruptions"][-1]["lost"] == 0.5
     saved = Unfinished("k", "train", started=100.0, checkpoint=125.0)  # progress: counted afresh, 5 s lost
     record = interruption(record, saved, "3", 130.0, max_continuations=2)
     assert record["without_progress"] == 0 and "gave_up" not in record and record["interruptions"][-1]["lost"] == 5

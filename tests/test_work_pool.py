@@ -334,12 +334,28 @@ def test_a_sweep_past_its_walltime_goes_on_in_a_follow_up_job_as_the_same_flow_r
     jobs = sorted(garage.records(flow_run_id), key=lambda r: r["submitted"])
     assert run["state_type"] == "COMPLETED", (run["state"], [j["job_id"] for j in jobs])
     assert len(jobs) >= 2 and all(j.get("follows") == before["job_id"] for before, j in zip(jobs, jobs[1:])), jobs
-    assert run["infrastructure_pid"] == jobs[-1]["job_id"]
+    # the job that finished the sweep (a follow-up it had already submitted was cancelled, unstarted)
+    assert run["infrastructure_pid"] in [j["job_id"] for j in jobs[1:]]
     summary = json.loads(out.read_text())
     assert summary["result"] == summary["expected"] and summary["experiments"] == 24
     history = garage.call("GET", f"/flow_run_states/?flow_run_id={flow_run_id}")
     continued = [s["message"] for s in history if s["type"] == "PENDING" and "continues in job" in (s["message"] or "")]
     assert continued, [(s["type"], s["message"]) for s in history]
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_a_job_of_a_flow_run_that_has_ended_runs_nothing(garage: Garage) -> None:
+    """A stray job (a follow-up submitted at the walltime of a flow that finished anyway, a requeue after the
+    end): Prefect's engine would run the Completed flow run again; the job's COMMAND runs nothing."""
+    deployment = garage.call("GET", "/deployments/name/sweep/gpu")
+    flow_run_id = garage.call("POST", f"/deployments/{deployment['id']}/create_flow_run",
+                              {"state": {"type": "COMPLETED", "message": "done elsewhere"}})["id"]
+    done = subprocess.run([PY, "-m", "hpc_garage.prefect.flow_run", flow_run_id], env=garage.env, cwd=ROOT / "examples",
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "is COMPLETED already: nothing to run" in done.stderr, done.stdout + done.stderr
+    run = garage.flow_run(flow_run_id)
+    assert run["state_type"] == "COMPLETED" and run["state"]["message"] == "done elsewhere"
 
 
 @pytest.mark.slurm

@@ -72,6 +72,7 @@ class Unfinished:
     task: str
     started: float  # when it started in this job (epoch seconds)
     checkpoint: float | None  # when its newest checkpoint was written, if it has one
+    ended: float | None = None  # when it stopped (raised Interrupted); None: it ran until the job's end
 
 
 def interruption(before: dict[str, Any] | None, trial: Unfinished, job_id: str, now: float,
@@ -85,7 +86,7 @@ def interruption(before: dict[str, Any] | None, trial: Unfinished, job_id: str, 
     progress = trial.checkpoint is not None and (seen is None or trial.checkpoint > float(seen))
     if trial.checkpoint is not None:
         record["checkpoint"] = trial.checkpoint
-    lost = now - (trial.checkpoint if progress and trial.checkpoint is not None else trial.started)
+    lost = (trial.ended or now) - (trial.checkpoint if progress and trial.checkpoint is not None else trial.started)
     record["interruptions"] = [*record.get("interruptions", []),
                                {"job": job_id, "at": now, "progress": progress, "lost": round(max(lost, 0.0), 1)}]
     record["without_progress"] = 0 if progress else int(record.get("without_progress", 0)) + 1
@@ -217,8 +218,12 @@ class WindDown:
                   f"told to stop (checkpoint_grace {grace:.0f} s) and may finish")
         self._note(phase="winding down", wind_down=why)
         kill = margin / 2  # for stopping COMMAND and tearing down before the batch system kills the job
-        await asyncio.sleep(min(2.0, grace))  # a heartbeat or two: what the workers execute is known from them
+        ended: dict[str, float] = {}  # when each trial told to stop did
+        for _ in range(4):  # a heartbeat or two: what the workers execute is known from them
+            await asyncio.sleep(min(0.5, grace / 4))
+            _note_ended(scheduler, running, ended)
         while _executing(scheduler):
+            _note_ended(scheduler, running, ended)
             if end is not None and time.monotonic() >= end - kill:
                 self._say(f"{_executing(scheduler)} trials still running {kill:.0f} s before the end; they "
                           "are stopped and run again in the next job")
@@ -227,7 +232,7 @@ class WindDown:
                 break  # COMMAND ended (an interrupted trial ends the flow): the others had their grace
             await asyncio.sleep(0.5)
         started = {str(ts.key) for ws in scheduler.workers.values() for ts in ws.executing}
-        unfinished = [_unfinished(key, known.get(_run_id(key)), self.results, told) for key in running
+        unfinished = [_unfinished(key, known.get(_run_id(key)), self.results, told, ended.get(key)) for key in running
                       if (_run_id(key) in known or key in started) and _state(scheduler, key) != "memory"]
         await loop.run_in_executor(None, self._decide, unfinished, loop)
         if proc.returncode is None:
@@ -307,13 +312,21 @@ def _state(scheduler: Any, key: str) -> str | None:
     return ts.state if ts is not None else None
 
 
-def _unfinished(key: str, info: dict[str, Any] | None, results: Path | None, told: float) -> Unfinished:
+def _note_ended(scheduler: Any, running: list[str], ended: dict[str, float]) -> None:
+    executing = {str(ts.key) for ws in scheduler.workers.values() for ts in ws.executing}
+    for key in running:
+        if key not in executing and key not in ended:
+            ended[key] = time.time()
+
+
+def _unfinished(key: str, info: dict[str, Any] | None, results: Path | None, told: float,
+                ended: float | None) -> Unfinished:
     """A trial the job's end interrupted, with its newest checkpoint (what its directory holds)."""
     if info is None:
         task = str(key).rsplit("-", 1)[0]
-        return Unfinished(f"task:{task}", task, told, None)
+        return Unfinished(f"task:{task}", task, told, None, ended)
     checkpoint = _newest(results / CHECKPOINTS_DIR / str(info["key"])) if results is not None else None
-    return Unfinished(str(info["key"]), str(info["task"]), float(info["started"]), checkpoint)
+    return Unfinished(str(info["key"]), str(info["task"]), float(info["started"]), checkpoint, ended)
 
 
 def _newest(path: Path) -> float | None:

@@ -44,6 +44,7 @@ from hpc_garage.variables import PREFECT_SERVER_ENV
 
 logger = logging.getLogger(__name__)
 
+ENGINE = "hpc_garage.prefect.flow_run"  # COMMAND: Prefect's engine, unless the flow run has ended (a stray job)
 FOLLOW_SECONDS = 3.0  # a followed job and its flow run are looked at this often (one squeue, one API call)
 ADOPT_AFTER = 30.0  # s a flow run may stay Pending with no job before a restarted worker submits it again
 FINAL = (StateType.COMPLETED, StateType.FAILED, StateType.CRASHED, StateType.CANCELLED)
@@ -192,7 +193,7 @@ class PoolWorker(BaseWorker[GarageJobConfiguration, GarageVariables, GarageResul
                 flow_run_id=flow_run_id, flow_run_name=flow_run.name,
                 values={name: getattr(configuration, name) for name in self.jobs.VARIABLES},
                 env=dict(configuration.env), workdir=configuration._workdir,
-                default_sweep=configuration._default_sweep)
+                default_sweep=configuration._default_sweep, module=ENGINE)
             try:
                 prepared = await anyio.to_thread.run_sync(self.jobs.prepare_flow_run, job)
                 taken = await anyio.to_thread.run_sync(self.jobs.take, job, prepared)

@@ -2,7 +2,8 @@
 
 The job variables are `submit`'s flags (`gpus_per_node` is `--gpus-per-node`), checked by the same rules:
 a bad one is refused in one line before anything is created. The job is `submit`'s job script and run
-directory, with COMMAND `python -m prefect.engine <flow run id>` run from the deployment's directory, and
+directory, with COMMAND `python -m prefect.engine <flow run id>` (the worker names hpc-garage's guard around
+it, prefect/flow_run.py, which runs nothing for a flow run that has ended) from the deployment's directory, and
 the environment the worker hands the flow run (the API's address) exported in the script, so a follow-up
 job (walltime, preemption) carries it too.
 
@@ -39,7 +40,7 @@ __all__ = ["VARIABLES", "FlowRunJob", "Taken", "Busy", "request_of", "prepare_fl
 logger = logging.getLogger(__name__)
 
 CLAIMS = "prefect-flow-runs"  # under a site's run root: one <flow run id>.json per flow run taken on
-MODULE = "prefect.engine"  # COMMAND: Prefect's own engine, given the flow run's id
+MODULE = "prefect.engine"  # COMMAND: Prefect's own engine, given the flow run's id (unless the worker names another)
 VARIABLES = ("site", "nodes", "gpus_per_node", "cores_per_node", "mem", "time", "account", "qos", "job_name",
              "sweep", "resume", "scheduler_options")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -57,6 +58,7 @@ class FlowRunJob:
     env: Mapping[str, str | None]
     workdir: str
     default_sweep: str
+    module: str = MODULE  # run as `python -m MODULE <flow run id>`
 
     @property
     def key(self) -> str:
@@ -141,7 +143,7 @@ def job_name(job: FlowRunJob, asked: str | None) -> str:
 
 
 def prepare_flow_run(job: FlowRunJob) -> Prepared:
-    """`submit`'s checks and job script, for COMMAND `python -m prefect.engine <id>`. Reads, never writes."""
+    """`submit`'s checks and job script, for COMMAND `python -m MODULE <id>`. Reads, never writes."""
     if not _UUID.fullmatch(job.flow_run_id):
         raise UserError(f"flow run id {job.flow_run_id!r} is not a UUID")
     site, request, sweep, resume = request_of(job.values)
@@ -159,7 +161,8 @@ def prepare_flow_run(job: FlowRunJob) -> Prepared:
             raise UserError(f"job variable env: {key!r} is not an environment variable name; use letters, digits "
                             "and _ (not first a digit)")
         exports.append(f"export {key}={shlex.quote(str(value))}")
-    spec = replace(prepared.spec, script="-m", args=(MODULE, job.flow_run_id), setup=(*prepared.spec.setup, *exports))
+    spec = replace(prepared.spec, script="-m", args=(job.module, job.flow_run_id),
+                   setup=(*prepared.spec.setup, *exports))
     from hpc_garage.schedulers.jobscript import render
 
     return replace(prepared, spec=spec, script=render(spec))
