@@ -117,16 +117,29 @@ def _deploy(env: dict[str, str], api: Any) -> str:
 def _deployment_run(directory: Path, api: Any, deployment: str, jobs: Jobs) -> dict[str, float]:
     out = directory / "sweep.json"
     requested = time.time()
-    flow_run = api.post(f"/deployments/{deployment}/create_flow_run", {"parameters": {"out": str(out)}})["id"]
+    flow_run = _retried(api.post, f"/deployments/{deployment}/create_flow_run", {"parameters": {"out": str(out)}})["id"]
     job = ""
     deadline = time.monotonic() + 120
     while not job:
         if time.monotonic() > deadline:
             raise RuntimeError(f"flow run {flow_run}: no job within 120 s")
         time.sleep(0.1)
-        job = api.get(f"/flow_runs/{flow_run}").get("infrastructure_pid") or ""
+        job = _retried(api.get, f"/flow_runs/{flow_run}").get("infrastructure_pid") or ""
     jobs.ids.append(job)
     return _sample(out, job, jobs, requested)
+
+
+def _retried(call: Any, *args: Any) -> Any:
+    """A call to the API, again after a 503 (SQLite busy: the server asks the client to retry, as Prefect's does)."""
+    from hpc_garage.prefect_api import ApiError
+
+    for attempt in range(6):
+        try:
+            return call(*args)
+        except ApiError as exc:
+            if exc.status != 503 or attempt == 5:
+                raise
+            time.sleep(0.5 * (attempt + 1))
 
 
 def _submit(directory: Path, env: dict[str, str], jobs: Jobs) -> dict[str, float]:

@@ -4,7 +4,6 @@ checkpoint key, the grace timing, when the job chain stops."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import uuid
 from pathlib import Path
@@ -138,7 +137,7 @@ def test_the_job_chain_ends_with_the_trial_named_and_exit_code_75(tmp_path: Path
                           lambda other: None, results=tmp_path)
         ending.bind(said.append, lambda **kw: None)
         ending.stopped = True
-        ending._decide([Unfinished("k1", "train", started=0.0, checkpoint=None)], asyncio.new_event_loop())
+        ending._decide([Unfinished("k1", "train", started=0.0, checkpoint=None)])
         if ending.next_job is None:
             break
     assert jobs == 3 and len(submitted) == 2  # max_continuations: 2

@@ -9,11 +9,13 @@ import sys
 import click
 
 from hpc_garage.cli import options
+from hpc_garage.variables import SITE_ENV
 
 
 @options.command()
 @click.option("--pool", "-p", required=True, help="The work pool to take flow runs from (created, type hpc-garage, if missing).")
-@click.option("--site", "site_name", help="The run form's default site, where this creates the pool.")
+@click.option("--site", "site_name", envvar=SITE_ENV,
+              help=f"The run form's default site, where this creates the pool (default: ${SITE_ENV}).")
 @click.option("--name", "-n", help="This worker's name in the UI (default: random).")
 @click.option("--limit", "-l", type=click.IntRange(min=1), help="Most flow runs (jobs) submitted and followed at once.")
 @click.option("--run-once", is_flag=True, help="Submit what is due, look at the jobs once, exit (cron, scrontab).")

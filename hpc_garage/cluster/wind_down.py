@@ -234,13 +234,13 @@ class WindDown:
         started = {str(ts.key) for ws in scheduler.workers.values() for ts in ws.executing}
         unfinished = [_unfinished(key, known.get(_run_id(key)), self.results, told, ended.get(key)) for key in running
                       if (_run_id(key) in known or key in started) and _state(scheduler, key) != "memory"]
-        await loop.run_in_executor(None, self._decide, unfinished, loop)
+        await loop.run_in_executor(None, self._decide, unfinished)
         if proc.returncode is None:
             self.stopped = True
             self._say("stopping COMMAND: this job's part of the sweep is done; finished trials are kept")
             proc.send_signal(signal.SIGTERM)
 
-    def _decide(self, unfinished: list[Unfinished], loop: asyncio.AbstractEventLoop) -> None:
+    def _decide(self, unfinished: list[Unfinished]) -> None:
         """Record each interrupted trial; submit the follow-up job where another job gets further."""
         now = time.time()
         records = [self._record(trial, now) for trial in unfinished]

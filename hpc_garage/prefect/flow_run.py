@@ -19,7 +19,7 @@ import sys
 from hpc_garage import log
 from hpc_garage.prefect_api import PrefectApi
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("hpc_garage.prefect.flow_run")  # its name under `python -m` too (`__main__` there)
 
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "CANCELLING")
 

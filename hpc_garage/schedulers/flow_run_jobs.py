@@ -188,9 +188,9 @@ def take(job: FlowRunJob, prepared: Prepared) -> Taken:
         if claim and claim.get("job_id"):
             return Taken(str(claim["job_id"]), claim.get("site") or site, fresh=False)
         if claim:
-            if claim.get("host") == socket.gethostname() and claim.get("pid") != os.getpid() \
-                    and pid_alive(int(claim.get("pid") or 0)):
-                raise Busy(f"flow run {job.flow_run_id} is being submitted by process {claim['pid']}")
+            pid = int(claim.get("pid") or 0)
+            if pid and pid != os.getpid() and claim.get("host") == socket.gethostname() and pid_alive(pid):
+                raise Busy(f"flow run {job.flow_run_id} is being submitted by process {pid}")
             batch = get(prepared.spec.scheduler)
             found = batch.jobs_named(str(claim.get("job_name")))
             if found:  # its submitter died after sbatch took the job, before it noted the id
