@@ -302,3 +302,37 @@ def prefect_and_cluster(workers: int = 2, threads: int = 1,
         except subprocess.TimeoutExpired:
             cluster.kill()
         info_file.unlink(missing_ok=True)
+
+
+def tasks_main(measure: Callable[[int, int], dict[str, Any]], argv: list[str] | None, tasks: int = 200) -> int:
+    """The command line of a per-task benchmark: `--tasks N --runs R --out FILE`, the figures as JSON."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tasks", type=int, default=tasks)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    Path(args.out).write_text(json.dumps(measure(args.tasks, args.runs), indent=2))
+    return 0
+
+
+def on_against_bypassed(label: str, run: Callable[[bool, int], dict[str, Any]], contenders: dict[str, bool], n: int,
+                        runs: int, server_pid: int) -> dict[str, list[dict[str, Any]]]:
+    """A feature on against bypassed in one process: a warm-up of each, then `runs` rounds in alternating order
+    (neither always first), each after the server has gone idle. `run(bypassed, count)` returns a sample with
+    its `inner` seconds; the samples come back per contender."""
+    for name, bypassed in contenders.items():  # warm-up: imports, the first flow run
+        say(f"{label}: warm-up {name}")
+        run(bypassed, min(n, 5))
+    samples: dict[str, list[dict[str, Any]]] = {name: [] for name in contenders}
+    for i in range(runs):
+        order = list(contenders.items()) if i % 2 == 0 else list(contenders.items())[::-1]
+        for name, bypassed in order:
+            if server_pid:
+                wait_idle(server_pid)
+            sample = run(bypassed, n)
+            samples[name].append(sample)
+            say(f"{label} run {i + 1}/{runs}: {name}: {n / sample['inner']:.1f} tasks/s")
+    return samples

@@ -15,14 +15,11 @@ flow (start and end included) is kept too.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import time
-from pathlib import Path
 from typing import Any
 
-from bench.common import Figure, compare, prefect_and_cluster, say, wait_idle
+from bench.common import Figure, compare, on_against_bypassed, prefect_and_cluster, tasks_main
 
 GROUP = "issue 11 fault handling, per task: {n} trivial tagged tasks, 2 workers x 1 thread"
 ON = "hpc-garage task_runner(), outage hooks on (default)"
@@ -30,13 +27,7 @@ OFF = "hpc-garage task_runner(), outage hooks bypassed"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--tasks", type=int, default=200)
-    parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args(argv)
-    Path(args.out).write_text(json.dumps(measure(args.tasks, args.runs), indent=2))
-    return 0
+    return tasks_main(measure, argv)
 
 
 def measure(n: int, runs: int) -> dict[str, Any]:
@@ -81,18 +72,7 @@ def _measure(address: str, n: int, runs: int, server_pid: int) -> dict[str, Any]
         return {"inner": inner, "wall": wall}
 
     contenders = {ON: False, OFF: True}
-    for name, bypassed in contenders.items():  # warm-up: imports, first flow run, the tags' first answer
-        say(f"fault cost: warm-up {name}")
-        run(bypassed, min(n, 5))
-    samples: dict[str, list[dict[str, Any]]] = {name: [] for name in contenders}
-    for i in range(runs):
-        order = list(contenders.items()) if i % 2 == 0 else list(contenders.items())[::-1]  # neither always first
-        for name, bypassed in order:
-            if server_pid:
-                wait_idle(server_pid)
-            result = run(bypassed, n)
-            samples[name].append(result)
-            say(f"fault cost run {i + 1}/{runs}: {name}: {n / result['inner']:.1f} tasks/s")
+    samples = on_against_bypassed("fault cost", run, contenders, n, runs, server_pid)
     group = GROUP.format(n=n)
     figures = [Figure(group, name, "tasks/s", [n / s["inner"] for s in samples[name]], ours=name == ON,
                       higher_is_better=True) for name in contenders]

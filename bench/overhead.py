@@ -14,15 +14,13 @@ Prefect server is idle, so no contender pays for another's backlog.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import Figure, Phases, compare, cpu_seconds, prefect_and_cluster, say, wait_idle
+from bench.common import Figure, Phases, compare, cpu_seconds, prefect_and_cluster, say, tasks_main, wait_idle
 
 GROUP = "per-task overhead: {n} trivial tasks, 2 workers x 1 thread"
 OURS = "hpc-garage task_runner()"
@@ -34,13 +32,7 @@ PHASES = Phases()  # where the wall time goes
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--tasks", type=int, default=100)
-    parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args(argv)
-    Path(args.out).write_text(json.dumps(measure(args.tasks, args.runs), indent=2))
-    return 0
+    return tasks_main(measure, argv, tasks=100)
 
 
 def measure(n: int, runs: int) -> dict[str, Any]:
