@@ -18,6 +18,7 @@ job leaves there, who reads it, and what a later job with the same id must not s
     flow-runs             the task runner: COMMAND's flow runs, one a line   run (crash marking), progress
     report.json           `run` as COMMAND ends                              `hpc-garage report`
     doctor.json           `doctor --job`'s probe: what it found in the job   `hpc-garage doctor`
+    cancel-requested      `cancel`, before it signals the job: no follow-up   `run`'s wind-down
     unrecorded.json       the flow, when Prefect's API died: what it lacks   `hpc-garage replay`
     unrecorded/           the flow and each worker, when the API died:       `hpc-garage replay`
                           events-<host>-<pid>.jsonl, logs-<host>-<pid>.jsonl,
@@ -30,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +56,7 @@ WORKER_LOG_DIR = "worker-logs"
 FLOW_RUNS_FILE = "flow-runs"
 REPORT_FILE = "report.json"
 DOCTOR_FILE = "doctor.json"
+CANCEL_FILE = "cancel-requested"  # private to `cancel` and `run`: this start of the job is being cancelled
 UNRECORDED_FILE = "unrecorded.json"
 UNRECORDED_DIR = "unrecorded"
 KEPT_SUFFIX = ".jsonl"  # in UNRECORDED_DIR: <kind>-<host>-<pid>.jsonl, kind events or logs
@@ -107,6 +110,7 @@ class RunDir:
         self.path.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(self.path, 0o700)
         self.clear_handoff()
+        _remove(self.path / CANCEL_FILE)  # asked of an earlier start of this job (or an earlier job of its id)
         for name in EARLIER_RUN:
             try:
                 if submitted is None or (self.path / name).stat().st_mtime >= submitted:
@@ -162,6 +166,16 @@ class RunDir:
     @property
     def doctor_file(self) -> Path:
         return self.path / DOCTOR_FILE
+
+    # ---- `cancel` asks the running job to wind down first
+
+    def request_cancel(self) -> None:
+        """Mark this job as being cancelled, before the signal that winds it down: `run` then submits no
+        follow-up job and ends as a cancelled job."""
+        write_private(self.path / CANCEL_FILE, f"{time.time():.0f}\n")
+
+    def cancel_requested(self) -> bool:
+        return (self.path / CANCEL_FILE).exists()
 
     # ---- the handoff and its cluster
 

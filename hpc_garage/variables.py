@@ -8,7 +8,6 @@ traceback or a silent default: `HPC_GARAGE_START_TIMEOUT=abc` is refused, `=nan`
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from collections.abc import Mapping
 
@@ -68,12 +67,14 @@ def switch(env: Mapping[str, str], name: str, default: bool, *, also_no: tuple[s
 def modules(env: Mapping[str, str], name: str) -> list[str] | None:
     """A comma-separated list of importable modules; None when unset. A module that is not installed here is
     refused now: the workers would fail at start-up on every node instead."""
+    import importlib.util
+
     if name not in env:
         return None
     names = [m.strip() for m in env[name].split(",") if m.strip()]
     for module in names:
         try:
-            found = importlib.util.find_spec(module) is not None
+            found = importlib.util.find_spec(module) is not None  # (imported here: the CLI's start-up skips it)
         except (ImportError, ValueError):
             found = False
         if not found:

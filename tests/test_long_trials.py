@@ -116,6 +116,44 @@ def test_a_warning_signal_then_cancel_and_resume_continue_from_the_checkpoint(tm
     assert all(attempts(marks)[i][-1]["from"] >= 10 for i in before), attempts(marks)
 
 
+def test_cancel_gives_the_trials_their_grace_and_submits_no_follow_up(tmp_path: Path) -> None:
+    """`hpc-garage cancel` mid-trial on a `requeue: auto` site: the trials see should_stop() and save (they
+    would not checkpoint before step 30 otherwise), the job ends by itself, no follow-up job is submitted, and
+    `resume` continues from the checkpoints the stop saved."""
+    site = site_file(tmp_path, "requeue: auto\ncheckpoint_grace: 20s\n")
+    done = submit_long(tmp_path, site, 45, 30, "--time", "10")
+    assert done.returncode == 0, done.stdout + done.stderr
+    job = re.search(r"submitted job (\S+)", done.stdout).group(1)
+    marks = tmp_path / "marks"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and not (len(attempts(marks)) == 2 and
+                                               all(r[-1]["step"] >= 8 for r in attempts(marks).values())):
+        time.sleep(1)
+    cancelled = hpcg(["cancel", job, "--site", str(site)], tmp_path, timeout=200)
+    print(cancelled.stdout, cancelled.stderr)
+    assert cancelled.returncode == 0, cancelled.stdout + cancelled.stderr
+    lines = cancelled.stdout.strip().splitlines()
+    assert lines[0] == (f"job {job}: winding down; giving its running trials 20 s (checkpoint_grace) to checkpoint "
+                        "before it is cancelled (`--now` cancels at once)"), lines
+    assert lines[-1] == (f"job {job} wound down and ended (cancelled (exit 143)); no follow-up job; "
+                         f"`hpc-garage resume {job}` continues its sweep"), lines
+    stopped = [json.loads(p.read_text()) for p in marks.glob("stopped-*")]
+    assert len(stopped) == 2 and all(s["why"] == "cancelled (`hpc-garage cancel`)" and s["step"] >= 8
+                                     for s in stopped), stopped
+    wait_gone(job, 60)
+    assert len(sweep_record(tmp_path)["epochs"]["1"]["jobs"]) == 1  # no follow-up job, even with requeue: auto
+    state = json.loads((tmp_path / "runs" / job / "state.json").read_text())
+    assert state.get("cancelled") and not state.get("next_job") and state["interrupted"] == 2, state
+    logs = "".join(p.read_text() for p in (tmp_path / "runs").glob(f"*{job}*.out"))
+    assert "no follow-up job: the job is being cancelled" in logs, logs
+    resumed = hpcg(["resume", job, "--site", str(site), "--wait"], tmp_path, timeout=400)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert json.loads((tmp_path / "out.json").read_text())["result"] == 1
+    saved = {s["step"] for s in stopped}
+    for runs in attempts(marks).values():
+        assert len(runs) == 2 and runs[1]["from"] in saved and runs[1]["from"] >= 8, runs
+
+
 def test_the_same_script_runs_on_a_login_node_and_outside_hpc_garage(tmp_path: Path) -> None:
     """`hpc-garage run` on a login node and plain `python`, unchanged; and no stale checkpoint: a trial whose
     inputs changed, resumed in the same epoch, starts clean beside the old one."""

@@ -86,8 +86,10 @@ def test_run_clears_what_an_earlier_job_left_in_its_run_directory(tmp_path: Path
     (rundir.path / "tls").mkdir()
     (rundir.path / "tls" / "key.pem").write_text("old")
     (rundir.path / "submit.json").write_text("{}")  # the job's own record stays
+    rundir.request_cancel()  # an earlier start's cancel: this start is not being cancelled
+    assert rundir.cancel_requested() and _mode(rundir.path / "cancel-requested") == 0o600
     rundir.create()
-    assert sorted(p.name for p in rundir.path.iterdir()) == ["submit.json"]
+    assert sorted(p.name for p in rundir.path.iterdir()) == ["submit.json"] and not rundir.cancel_requested()
 
 
 def test_a_recycled_job_id_starts_with_no_flow_runs_or_records_of_the_earlier_job(tmp_path: Path) -> None:

@@ -362,6 +362,76 @@ def test_cancel_says_what_it_did(lab: Path, fake: FakeSlurm) -> None:
         submission.cancel(submission.find("42"))
 
 
+def running_sweep(lab: Path, **state: Any) -> Path:
+    """Job 42, submitted, with the state.json its `run` writes once its trials run."""
+    done = submission.submit(submission.prepare("t", "flow.py"))
+    (Path(done.run_dir) / "state.json").write_text(json.dumps(
+        {"phase": "running", "checkpoint_grace": 20.0, "updated": time.time() + 10, **state}))
+    return Path(done.run_dir)
+
+
+@pytest.mark.parametrize(("why", "state", "status", "now", "grace"), [
+    ("a running sweep", {}, "RUNNING", False, 20.0),
+    ("already winding down (walltime)", {"phase": "winding down"}, "RUNNING", False, 20.0),
+    ("--now", {}, "RUNNING", True, None),
+    ("pending", {}, "PENDING", False, None),
+    ("its workers not up yet: no trial runs", {"phase": "workers"}, "RUNNING", False, None),
+    ("a run that notes no grace does not wind down for a cancel", {"checkpoint_grace": None}, "RUNNING", False,
+     None),
+    ("run already ended", {"exit_code": 0}, "RUNNING", False, None),
+])
+def test_which_cancels_give_the_trials_their_grace(lab: Path, fake: FakeSlurm, why: str, state: dict[str, Any],
+                                                   status: str, now: bool, grace: float | None) -> None:
+    running_sweep(lab, **state)
+    fake.answers["scontrol"] = [scontrol(status)]
+    view = submission.find("42")
+    from hpc_garage.schedulers.submission.finding import refresh
+
+    assert submission.following.wind_down_grace(refresh(view), now) == grace, why
+
+
+def test_a_job_not_hpc_garages_or_a_batch_system_that_cannot_signal_is_cancelled_at_once(
+        lab: Path, fake: FakeSlurm, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake.answers["scontrol"] = [scontrol("RUNNING")]
+    assert submission.cancel(submission.find("42", "t")).startswith("cancelled job 42 (it was running")
+    assert fake.calls[-1] == ["scancel", "42"]  # no run directory: no wind-down
+    running_sweep(lab)
+    monkeypatch.setattr(FakeSlurm, "wind_down_argv", lambda self, job_id: None)
+    assert submission.cancel(submission.find("42")).startswith("cancelled job 42 (it was running")
+    assert fake.calls[-1] == ["scancel", "42"] and not any("--batch" in c for c in fake.calls)
+    assert Pbs().wind_down_argv("7.srv") == ["qsig", "-s", "SIGURG", "7.srv"]
+    assert Slurm().wind_down_argv("42") == ["scancel", "--batch", "--signal=URG", "42"]
+
+
+def test_cancel_winds_a_running_sweep_down_then_says_how_it_ended(lab: Path, fake: FakeSlurm) -> None:
+    run_dir = running_sweep(lab)
+    fake.answers["scontrol"] = [scontrol("RUNNING"), scontrol("RUNNING"), scontrol("FAILED", "143:0")]
+    said: list[str] = []
+    line = submission.cancel(submission.find("42"), said.append, poll=0)
+    assert fake.calls[-1][0] != "scancel" and ["scancel", "--batch", "--signal=URG", "42"] in fake.calls
+    assert (run_dir / "cancel-requested").is_file()  # written before the signal: `run` reads it on the signal
+    assert said == [("job 42: winding down; giving its running trials 20 s (checkpoint_grace) to checkpoint before "
+                     "it is cancelled (`--now` cancels at once)")]
+    state = json.loads((run_dir / "state.json").read_text())
+    (run_dir / "state.json").write_text(json.dumps({**state, "cancelled": True, "exit_code": 143}))
+    assert line.startswith("job 42 wound down and ended (failed (exit 143)); no follow-up job;")
+    from hpc_garage.schedulers.submission.finding import refresh
+
+    assert refresh(submission.find("42")).summary() == "cancelled (exit 143)"
+
+
+def test_a_sweep_that_does_not_end_within_its_grace_is_cancelled(lab: Path, fake: FakeSlurm,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    running_sweep(lab, next_job="43")  # a walltime wind-down had submitted a follow-up before the cancel
+    monkeypatch.setattr(submission.following, "CANCEL_MARGIN", 0.0)
+    fake.answers["scontrol"] = [scontrol("RUNNING")]
+    said: list[str] = []
+    monkeypatch.setattr(submission.following.time, "monotonic", iter(range(0, 10_000, 30)).__next__)
+    line = submission.cancel(submission.find("42"), said.append, poll=0)
+    assert said[-1] == "job 42: its follow-up job 43 cancelled too" and ["scancel", "43"] in fake.calls
+    assert line == "cancelled job 42 (it was running; `scancel 42`)" and fake.calls[-1] == ["scancel", "42"]
+
+
 def test_status_all_newest_first_one_squeue(lab: Path, fake: FakeSlurm) -> None:
     fake.answers["sbatch"] = ["7\n", "8\n"]
     submission.submit(submission.prepare("t", "flow.py"))

@@ -4,6 +4,7 @@ checkpoint key, the grace timing, when the job chain stops."""
 
 from __future__ import annotations
 
+import functools
 import json
 import uuid
 from pathlib import Path
@@ -14,8 +15,8 @@ import pytest
 
 from hpc_garage import trial
 from hpc_garage.cluster import stopping
-from hpc_garage.cluster.wind_down import (EX_TEMPFAIL, NEVER_CHECKPOINTS, Unfinished, WindDown, follow_up_needed,
-                                          interruption, lead_for)
+from hpc_garage.cluster.wind_down import (EX_CANCELLED, EX_TEMPFAIL, NEVER_CHECKPOINTS, Unfinished, WindDown,
+                                          follow_up_needed, interruption, lead_for)
 from hpc_garage.core.site import Site
 from hpc_garage.variables import RESULTS_ENV, SWEEP_ENV
 
@@ -145,6 +146,34 @@ def test_the_job_chain_ends_with_the_trial_named_and_exit_code_75(tmp_path: Path
     assert any(f"trial train (k1) is not continued: {NEVER_CHECKPOINTS}" in line for line in said), said
     record = json.loads((tmp_path / stopping.TRIALS_DIR / "k1.json").read_text())
     assert len(record["interruptions"]) == 3 and record["gave_up"] == NEVER_CHECKPOINTS
+
+
+def test_a_cancel_records_the_interrupted_trials_submits_no_follow_up_and_ends_as_cancelled(tmp_path: Path) -> None:
+    """`hpc-garage cancel` marked the job (RunDir.request_cancel): on `requeue: auto` the same wind-down
+    without the mark submits a follow-up job; with it, none, and `run` exits as a cancelled job does."""
+    said: list[str] = []
+    noted: dict[str, Any] = {}
+    for cancelled in (False, True):
+        submitted: list[str] = []
+        ending = WindDown(site(requeue="auto"), "42", None, functools.partial(_submit, submitted),
+                          lambda other: None, results=tmp_path, cancel_requested=(lambda c=cancelled: c))
+        ending.bind(said.append, noted.update)
+        ending.stopped = True
+        ending._decide([Unfinished("k1", "train", started=0.0, checkpoint=5.0)])
+        assert bool(submitted) is not cancelled and (ending.next_job is None) is cancelled
+        assert ending.exit_code(143) == (EX_CANCELLED if cancelled else 0)
+    assert noted["cancelled"] and ("no follow-up job: the job is being cancelled; `hpc-garage resume 42` continues "
+                                   "the sweep from the trials' checkpoints") in said, said
+    record = json.loads((tmp_path / stopping.TRIALS_DIR / "k1.json").read_text())
+    assert len(record["interruptions"]) == 2  # recorded as interrupted all the same: `resume` continues it
+    ending.stopped = False  # the flow ended itself (a trial raised Interrupted) before COMMAND was stopped
+    ending.winding = True
+    assert ending.exit_code(1) == EX_CANCELLED and ending.exit_code(0) == 0  # (or it finished the sweep)
+
+
+def _submit(submitted: list[str]) -> str:
+    submitted.append("n")
+    return "43"
 
 
 def test_a_command_ended_by_an_interrupted_trial_keeps_the_follow_up_job() -> None:

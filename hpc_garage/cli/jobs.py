@@ -161,11 +161,16 @@ def status(job_id: str | None, site_name: str | None, as_json: bool) -> None:
 @options.command()
 @click.argument("job_id")
 @click.option("--site", "site_name", help="Site of a job hpc-garage has no run directory for.")
-def cancel(job_id: str, site_name: str | None) -> None:
-    """Cancel a queued or running job (scancel / qdel), and say what was done."""
+@click.option("--now", is_flag=True, help="Cancel at once: no checkpoint grace for the running trials.")
+def cancel(job_id: str, site_name: str | None, now: bool) -> None:
+    """Cancel a queued or running job (scancel / qdel), and say what was done.
+
+    A running sweep's trials first see `hpc_garage.trial.should_stop()` and get the site's checkpoint_grace
+    to save; no follow-up job is submitted, and `hpc-garage resume JOB_ID` continues from the checkpoints.
+    """
     from hpc_garage.schedulers import submission
 
-    click.echo(submission.cancel(submission.find(job_id, site_name)))
+    click.echo(submission.cancel(submission.find(job_id, site_name), click.echo, now=now))
 
 
 @options.command()

@@ -308,7 +308,7 @@ def _crash_open_flow_runs(progress: Any, code: int | None) -> None:
 
 def _wind_down(site: Site, env: Mapping[str, str], job_id: str, rundir: RunDir, results: Path) -> WindDown:
     """The watch on this job's end: its time left from the batch system; a follow-up job from its own
-    script (`submit` saved it) where the site says `requeue: auto`."""
+    script (`submit` saved it) where the site says `requeue: auto`, unless `hpc-garage cancel` asked for it."""
     from hpc_garage.schedulers import detect
     from hpc_garage.schedulers.submission import resubmit
 
@@ -323,7 +323,8 @@ def _wind_down(site: Site, env: Mapping[str, str], job_id: str, rundir: RunDir, 
         with contextlib.suppress(Exception):
             batch.run(batch.cancel_argv(other))
 
-    return WindDown(site, job_id, lambda: batch.time_left(job_id), follow_up, cancel, results)
+    return WindDown(site, job_id, lambda: batch.time_left(job_id), follow_up, cancel, results,
+                    cancel_requested=rundir.cancel_requested)  # `hpc-garage cancel`: no follow-up job
 
 
 def _run_deadline(site: Site, job_id: str, walltime: int, results: Path) -> WindDown:

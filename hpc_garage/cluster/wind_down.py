@@ -20,6 +20,12 @@ the site's warning signal) it winds down:
    `run` exits EX_TEMPFAIL;
 4. COMMAND is stopped and `run` tears down as usual.
 A COMMAND that finishes on its own meanwhile finished the sweep: the follow-up job is cancelled.
+
+`hpc-garage cancel` of a running job winds it down the same way: it marks the run directory
+(`RunDir.request_cancel`) and sends WIND_DOWN_SIGNAL (schedulers/base.py) to the batch shell, which is `run`.
+The trials get `checkpoint_grace` to save (one that does not stop by then is killed, however far the walltime
+is), the interrupted ones are recorded as above, so that `hpc-garage resume` continues them from their
+checkpoints, but no follow-up job is submitted, and `run` ends as a cancelled job does (128 + SIGTERM).
 """
 
 from __future__ import annotations
@@ -40,9 +46,11 @@ from hpc_garage.core.site import Site
 from hpc_garage.files import write_private
 
 EX_TEMPFAIL = 75  # sysexits: the sweep stopped short and can be resumed
+EX_CANCELLED = 128 + signal.SIGTERM  # `hpc-garage cancel`: what a job scancel/qdel killed exits with
 RECHECK_SECONDS = 300.0  # the time left is asked again this often (an admin may extend a job)
 TICK_SECONDS = 2.0
-WARNING_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGURG)
+WARNING_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGURG)  # SIGURG: also `hpc-garage cancel`'s
+CANCEL_REASON = "cancelled (`hpc-garage cancel`)"
 
 logger = logging.getLogger(__name__)  # the job log: each step of the wind-down
 
@@ -110,7 +118,7 @@ class WindDown:
 
     def __init__(self, site: Site, job_id: str, time_left: Callable[[], tuple[float, float] | None] | None,
                  follow_up: Callable[[], str] | None, cancel: Callable[[str], None],
-                 results: Path | None = None) -> None:
+                 results: Path | None = None, cancel_requested: Callable[[], bool] | None = None) -> None:
         self.site = site
         self.job_id = job_id
         self.results = results  # the epoch's results directory: interrupted trials' records, checkpoints
@@ -122,6 +130,8 @@ class WindDown:
         self._time_left = time_left  # None: no batch job, no end
         self._follow_up = follow_up  # submits the follow-up job, gives its id; None: requeue: never
         self._cancel = cancel
+        self._cancel_requested = cancel_requested or (lambda: False)  # `hpc-garage cancel` marked the job
+        self.cancelling = False  # ... and the wind-down saw it: no follow-up job, the exit code of a cancel
         self._say: Callable[[str], None] = logger.info  # the job log
         self._note: Callable[..., None] = lambda **kw: None  # state.json
         self._warned = asyncio.Event()
@@ -147,6 +157,7 @@ class WindDown:
             loop.add_signal_handler(sig, self.warn, f"signal {signal.Signals(sig).name}")
 
     def start(self, scheduler: Any, proc: asyncio.subprocess.Process) -> None:
+        self._note(checkpoint_grace=float(self.site.checkpoint_grace))  # `cancel` gives the trials as long
         self._task = asyncio.ensure_future(self._watch(scheduler, proc))
 
     def cancel(self) -> None:
@@ -163,6 +174,8 @@ class WindDown:
                 self._note(next_job=None)
                 self.next_job = None
             return command_code
+        if self.cancelling:
+            return EX_CANCELLED
         return 0 if self.next_job is not None else EX_TEMPFAIL
 
     async def settled(self, timeout: float = 600.0) -> None:
@@ -188,6 +201,8 @@ class WindDown:
                     end, margin = await self._end(loop)  # the limit may have changed (scontrol update)
                     asked = time.monotonic()
         why = self._warning or f"walltime: {max(0.0, (end or 0) - time.monotonic()):.0f} s left"
+        if self._is_cancelled():
+            why = CANCEL_REASON
         await self._wind_down(scheduler, proc, why, end, margin, loop)
 
     async def _end(self, loop: asyncio.AbstractEventLoop) -> tuple[float | None, float]:
@@ -205,9 +220,10 @@ class WindDown:
     async def _wind_down(self, scheduler: Any, proc: asyncio.subprocess.Process, why: str, end: float | None,
                          margin: float, loop: asyncio.AbstractEventLoop) -> None:
         from hpc_garage.cluster.stopping import stop_trials
-        from hpc_garage.compat import pause_workers, run_on_workers
+        from hpc_garage.compat import hold_pause, pause_workers, run_on_workers
 
         paused = pause_workers(scheduler)
+        await run_on_workers(scheduler, hold_pause)  # else the memory monitor resumes them within 0.1 s
         self.winding = True
         running = _executing_keys(scheduler)
         told = time.time()
@@ -230,6 +246,10 @@ class WindDown:
                 break
             if proc.returncode is not None and time.time() >= told + grace:
                 break  # COMMAND ended (an interrupted trial ends the flow): the others had their grace
+            if self._is_cancelled() and time.time() >= told + grace:
+                self._say(f"{_executing(scheduler)} trials still running after their checkpoint_grace: they are "
+                          "stopped (the job is being cancelled)")
+                break
             await asyncio.sleep(0.5)
         started = {str(ts.key) for ws in scheduler.workers.values() for ts in ws.executing}
         unfinished = [_unfinished(key, known.get(_run_id(key)), self.results, told, ended.get(key)) for key in running
@@ -256,6 +276,10 @@ class WindDown:
         self.interrupted = [{"task": r["task"], "trial": r["trial"], "lost": r["interruptions"][-1]["lost"],
                              "progress": r["interruptions"][-1]["progress"], "why": r.get("gave_up")}
                             for r in records]
+        if self._is_cancelled():
+            self._say("no follow-up job: the job is being cancelled; `hpc-garage resume "
+                      f"{self.job_id}` continues the sweep" + (" from the trials' checkpoints" if records else ""))
+            return
         if self._follow_up is None:
             return
         if not new_results and not records:
@@ -277,6 +301,13 @@ class WindDown:
             self._note(next_job=self.next_job)
         except Exception as exc:  # noqa: BLE001 - the sweep can still be resumed by hand
             self._say(f"could not submit the follow-up job ({exc}); resume by hand with `hpc-garage resume`")
+
+    def _is_cancelled(self) -> bool:
+        """Whether `hpc-garage cancel` asked for this wind-down (or for one under way): once seen, noted."""
+        if not self.cancelling and self._cancel_requested():
+            self.cancelling = True
+            self._note(cancelled=True)
+        return self.cancelling
 
     def _record(self, trial: Unfinished, now: float) -> dict[str, Any]:
         """The trial's record in the epoch's results, updated with this interruption."""

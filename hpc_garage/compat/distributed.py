@@ -43,6 +43,22 @@ def pause_workers(scheduler: Any) -> int:
     return paused
 
 
+@uses("distributed", "WorkerMemoryManager.memory_pause_fraction / Worker.status")
+def hold_pause(dask_worker: Any) -> bool:
+    """Run on each worker (run_on_workers) once `pause_workers` paused it: keep it paused. distributed's memory
+    monitor resumes a paused worker whose memory is below its pause fraction within 0.1 s (it cannot tell this
+    pause from its own; measured: a cancelled sweep of 3-s trials ran on to its end), and the scheduler then
+    hands it new trials. So the monitor stops pausing (the job is ending) and the worker pauses itself."""
+    from distributed.core import Status
+
+    manager = getattr(dask_worker, "memory_manager", None)
+    if manager is not None:
+        manager.memory_pause_fraction = False
+    if dask_worker.status == Status.running:
+        dask_worker.status = Status.paused  # told to the scheduler, as the monitor's own pause is
+    return True
+
+
 @uses("distributed", "op run (Client.run's message to workers) / Scheduler.broadcast / Serialized")
 async def run_on_workers(scheduler: Any, function: Any, *args: Any, timeout: float = 10.0) -> dict[str, Any]:
     """`function(*args)` on every worker, from the scheduler's own process, as Client.run does it (the

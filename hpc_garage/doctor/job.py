@@ -74,7 +74,7 @@ def job_checks(site: Site, say: Callable[[str], None]) -> Iterator[Check]:
         try:
             code = submission.wait(view, lambda text: say(f"doctor: {text}"))
         except KeyboardInterrupt:
-            say(submission.cancel(view))
+            say(submission.cancel(view, now=True))  # a probe has no trials to checkpoint
             raise
         findings = _read(RunDir(done.run_dir).doctor_file)
         end = JobEnd(done.job_id, code, done.log, _run_said(Path(done.log)))

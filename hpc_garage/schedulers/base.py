@@ -19,6 +19,10 @@ if TYPE_CHECKING:
     from hpc_garage.core.site import Site
 
 
+WIND_DOWN_SIGNAL = "URG"  # `hpc-garage cancel` to `run` (cluster/wind_down.py): ignored by default by every
+# other process, so where the batch system signals the job's whole session (PBS) only `run` acts on it
+
+
 class BatchSystem:
     """One batch system: how to read a job's allocation, and (in subclasses) request, submit, query, cancel."""
 
@@ -92,6 +96,11 @@ class BatchSystem:
 
     def cancel_argv(self, job_id: str) -> list[str]:
         raise NotImplementedError
+
+    def wind_down_argv(self, job_id: str) -> list[str] | None:
+        """Send WIND_DOWN_SIGNAL to the job's batch shell (`run`: the job script execs it), so that `cancel`
+        gives the running trials their checkpoint grace first; None where this batch system cannot."""
+        return None
 
     # ---- the job's clock: `run` winds a sweep down before the batch system ends the job
 

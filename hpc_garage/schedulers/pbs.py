@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 from hpc_garage.core.allocation import Allocation, NodeAllocation
 from hpc_garage.core.errors import AllocationError, UserError
-from hpc_garage.schedulers.base import (BatchSystem, JobStatus, WorkerJob, _int, fallback_memory, require, site_gpus,
-                                        visible_gpus)
+from hpc_garage.schedulers.base import (WIND_DOWN_SIGNAL, BatchSystem, JobStatus, WorkerJob, _int, fallback_memory,
+                                        require, site_gpus, visible_gpus)
 from hpc_garage.core.units import format_walltime, parse_memory, parse_walltime
 
 if TYPE_CHECKING:
@@ -145,6 +145,9 @@ class Pbs(BatchSystem):
 
     def cancel_argv(self, job_id: str) -> list[str]:
         return ["qdel", job_id]
+
+    def wind_down_argv(self, job_id: str) -> list[str] | None:
+        return ["qsig", "-s", f"SIG{WIND_DOWN_SIGNAL}", job_id]  # the job's session: only `run` heeds it
 
     def jobs_named(self, name: str) -> list[str]:
         """The user's queued or running jobs of this name, oldest first."""

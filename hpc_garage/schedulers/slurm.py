@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 from hpc_garage.core.allocation import Allocation, NodeAllocation
 from hpc_garage.core.errors import AllocationError, UserError
-from hpc_garage.schedulers.base import (BatchSystem, JobStatus, Preflight, WorkerJob, _int, fallback_memory, require,
-                                        site_gpus, visible_gpus)
+from hpc_garage.schedulers.base import (WIND_DOWN_SIGNAL, BatchSystem, JobStatus, Preflight, WorkerJob, _int,
+                                        fallback_memory, require, site_gpus, visible_gpus)
 from hpc_garage.core.units import format_walltime, mib, parse_walltime
 
 if TYPE_CHECKING:
@@ -152,6 +152,9 @@ class Slurm(BatchSystem):
 
     def cancel_argv(self, job_id: str) -> list[str]:
         return ["scancel", job_id]
+
+    def wind_down_argv(self, job_id: str) -> list[str] | None:
+        return ["scancel", "--batch", f"--signal={WIND_DOWN_SIGNAL}", job_id]  # the batch shell only
 
     def jobs_named(self, name: str) -> list[str]:
         """The user's queued or running jobs of this name, oldest first."""

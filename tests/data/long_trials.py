@@ -1,10 +1,11 @@
 """A sweep of GPU trials longer than a job (tests/test_long_trials.py, docs/how-to/long-sweeps.md).
 
 Each trial "trains" for --duration seconds of work in 1-s steps. With --every N it saves its step to
-`hpc_garage.trial.checkpoint_dir()` every N steps, resumes from it, and on `should_stop()` saves and raises
-`Interrupted`; with --every 0 it never checkpoints (and never calls the API). Every attempt keeps
-`work-<i>-<pid>-<ns>` in --marks up to date with the seconds it worked and the step it started from, so a
-test counts the work each trial did in all; the flow writes its result to --out.
+`hpc_garage.trial.checkpoint_dir()` every N steps, resumes from it, and on `should_stop()` saves, notes
+`stopped-<i>-<pid>` in --marks (the step saved, the reason) and raises `Interrupted`; with --every 0 it never
+checkpoints (and never calls the API). Every attempt keeps `work-<i>-<pid>-<ns>` in --marks up to date with
+the seconds it worked and the step it started from, so a test counts the work each trial did in all; the
+flow writes its result to --out.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ def train(i: int, duration: float, every: int, marks: str) -> int:
             ckpt.with_suffix(".tmp").write_text(json.dumps({"step": step}))
             ckpt.with_suffix(".tmp").replace(ckpt)
             if trial.should_stop() and step < duration:
+                Path(marks, f"stopped-{i}-{os.getpid()}").write_text(json.dumps({"step": step,
+                                                                                "why": trial.stop_reason()}))
                 raise trial.Interrupted(f"checkpoint saved at step {step}")
     return i * i
 

@@ -82,6 +82,8 @@ class JobView:
         word = state.split()[0].lower() if state else "finished"
         if word in ("completed", "c", "f", "x"):
             word = "done" if code == 0 else "failed" if code else "finished"
+        if (self.state or {}).get("cancelled") and code != 0:  # `hpc-garage cancel` wound it down: it ended itself
+            word = "cancelled"
         if code is None:
             return f"{word} (exit code unknown)"
         return word if code == 0 and word == "done" else f"{word} (exit {code})"

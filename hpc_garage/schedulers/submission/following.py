@@ -14,6 +14,8 @@ from hpc_garage.rundir import CLOCK_SLACK, RunDir
 from hpc_garage.schedulers.submission.finding import JobView, check_job_id, refresh, sweep_text
 
 SWEEP_SECONDS = 2.0  # `--wait` reads a sweep's directory this often (run writes progress as often)
+CANCEL_MARGIN = 60.0  # `cancel` waits this beyond the checkpoint grace: the wind-down decides, `run` tears down
+CANCEL_POLL = 2.0  # ... asking the batch system this often whether the job has ended
 
 
 def wait(view: JobView, report: Callable[[str], None], *, interval: float = 0.5, limit: float = 1.0,
@@ -61,16 +63,83 @@ def next_job_of(view: JobView) -> JobView | None:
     return JobView(job_id=next_job, record=record, run_dir=run_dir if record else None, batch=view.batch)
 
 
-def cancel(view: JobView) -> str:
-    """Cancel the job if it is still queued or running; say what was done."""
+def cancel(view: JobView, report: Callable[[str], None] | None = None, *, now: bool = False,
+           poll: float = CANCEL_POLL) -> str:
+    """Cancel the job if it is still queued or running; say what was done. A running sweep is wound down
+    first (`wind_down_grace`): its trials see `should_stop()` and get their checkpoint grace, no follow-up job
+    is submitted; the job is cancelled if it has not ended by then. `report`: the lines said on the way."""
     refresh(view)
     status = view.status
     if status is None:
         raise UserError(f"job {view.job_id} is not in the {view.batch.name} queue (it ended, or never was); nothing to cancel")
     if status.phase == "finished":
         return f"job {view.job_id} already ended ({status.state}); nothing to cancel"
-    view.batch.run(view.batch.cancel_argv(view.job_id))
-    return f"cancelled job {view.job_id} (it was {status.phase}; `{' '.join(view.batch.cancel_argv(view.job_id))}`)"
+    say = report or (lambda line: None)
+    grace = wind_down_grace(view, now)
+    if grace is not None and view.run_dir is not None and _wind_down(view, RunDir(view.run_dir)):
+        say(f"job {view.job_id}: winding down; giving its running trials {grace:.0f} s (checkpoint_grace) to "
+            "checkpoint before it is cancelled (`--now` cancels at once)")
+        try:
+            ended = _ended_within(view, grace + CANCEL_MARGIN, poll)
+        except KeyboardInterrupt:
+            say(f"job {view.job_id}: interrupted: cancelling it now")
+            ended = False
+        follow_up = (view.state or {}).get("next_job")  # one submitted before the cancel was seen
+        if isinstance(follow_up, str) and _cancel_follow_up(view, follow_up):
+            say(f"job {view.job_id}: its follow-up job {follow_up} cancelled too")
+        if ended:
+            return (f"job {view.job_id} wound down and ended ({view.summary()}); no follow-up job; "
+                    f"`hpc-garage resume {view.job_id}` continues its sweep")
+    argv = view.batch.cancel_argv(view.job_id)
+    view.batch.run(argv)
+    return f"cancelled job {view.job_id} (it was {status.phase}; `{' '.join(argv)}`)"
+
+
+def wind_down_grace(view: JobView, now: bool = False) -> float | None:
+    """Seconds `cancel` gives a job's running trials to checkpoint before it cancels the job, from the
+    grace its `run` noted in state.json; None: cancel at once (`--now`; a job not running yet, or not
+    hpc-garage's; a run with no trials started yet, or ended, or one that does not wind down for a cancel
+    (it notes no grace); a batch system that cannot signal the batch shell)."""
+    state = view.state or {}
+    grace = state.get("checkpoint_grace")
+    if (now or view.status is None or view.status.phase != "running" or view.record is None or view.run_dir is None
+            or state.get("phase") not in ("running", "winding down") or state.get("exit_code") is not None
+            or not isinstance(grace, (int, float)) or isinstance(grace, bool)
+            or view.batch.wind_down_argv(view.job_id) is None):
+        return None
+    return float(grace)
+
+
+def _wind_down(view: JobView, rundir: RunDir) -> bool:
+    """Mark the job as being cancelled, then signal its batch shell; False where it could not be told."""
+    argv = view.batch.wind_down_argv(view.job_id)
+    if argv is None:
+        return False
+    try:
+        rundir.request_cancel()
+        view.batch.run(argv)
+    except (OSError, UserError):
+        return False  # it ended meanwhile, or its directory is gone: cancelled as before
+    return True
+
+
+def _ended_within(view: JobView, seconds: float, poll: float) -> bool:
+    """Whether the job leaves the running state within `seconds` (asked every `poll`)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        if refresh(view).finished:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll)
+
+
+def _cancel_follow_up(view: JobView, job_id: str) -> bool:
+    status = view.batch.status(check_job_id(job_id))
+    if status is None or status.phase == "finished":
+        return False
+    view.batch.run(view.batch.cancel_argv(job_id))
+    return True
 
 
 # ------------------------------------------------------------------------------------------ its log
