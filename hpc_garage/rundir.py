@@ -18,7 +18,7 @@ job leaves there, who reads it, and what a later job with the same id must not s
     flow-runs             the task runner: COMMAND's flow runs, one a line   run (crash marking), progress
     report.json           `run` as COMMAND ends                              `hpc-garage report`
     doctor.json           `doctor --job`'s probe: what it found in the job   `hpc-garage doctor`
-    cancel-requested      `cancel`, before it signals the job: no follow-up   `run`'s wind-down
+    cancel-requested      `cancel`, before it signals the job (no follow-up) `run`'s wind-down
     unrecorded.json       the flow, when Prefect's API died: what it lacks   `hpc-garage replay`
     unrecorded/           the flow and each worker, when the API died:       `hpc-garage replay`
                           events-<host>-<pid>.jsonl, logs-<host>-<pid>.jsonl,

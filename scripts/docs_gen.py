@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import ast
+import inspect
 import io
 import json
 import re
@@ -80,7 +81,7 @@ def _command_section(command: Any, path: list[str], ctx: Any) -> list[str]:
     sub = click.Context(command, info_name=path[-1], parent=ctx)
     lines = [f"## `{name}`", "", "```", command.get_usage(sub).replace("Usage: ", "").strip(), "```", ""]
     if command.help:
-        lines += [click.unstyle(command.help).strip().replace("\b\n", ""), ""]
+        lines += [inspect.cleandoc(click.unstyle(command.help)).replace("\b\n", ""), ""]
     params = [p for p in command.get_params(sub) if p.name != "help" and not getattr(p, "hidden", False)]
     if params:
         lines += ["| option | meaning |", "|---|---|", *(_option_row(p) for p in params), ""]
