@@ -39,15 +39,29 @@ def slurm_reachable() -> str | None:
 SERVER_FIXTURES = {"api", "cluster", "runner"}  # a Prefect server, a Dask cluster (below)
 
 
+# `scripts/test` (no arguments) runs the SLURM tests in two shards side by side, each on a cluster of its own
+# (the second one reached through SLURM_CONF): the long ones here, the rest there. $HPC_GARAGE_SLURM_SHARD picks.
+SECOND_SHARD = {"test_long_trials.py", "test_docs.py", "test_doctor.py", "test_prefect_api.py"}
+SHARD_ENV = "HPC_GARAGE_SLURM_SHARD"  # 1 or 2: only the SLURM tests of that shard; unset: all
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """A test that starts a Prefect server or a Dask cluster is marked `slow`, so that the fast layer
     (`scripts/test --fast`: -m "not slow and not slurm") starts none; one that uses these fixtures unmarked
-    is refused here rather than slowing every fast run."""
+    is refused here rather than slowing every fast run. Under $HPC_GARAGE_SLURM_SHARD, the other shard's
+    SLURM tests are deselected."""
     unmarked = [item.nodeid for item in items
                 if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())) and "slow" not in item.keywords]
     if unmarked:
         raise pytest.UsageError("mark these tests `slow` (they start a Prefect server or a Dask cluster): "
                                 + ", ".join(unmarked))
+    shard = os.environ.get(SHARD_ENV)
+    if shard:
+        second = shard == "2"
+        keep = [item for item in items
+                if "slurm" not in item.keywords or (Path(str(item.fspath)).name in SECOND_SHARD) == second]
+        config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+        items[:] = keep
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
