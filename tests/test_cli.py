@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import DATA, read_env_dump
+from tests.conftest import DATA, read_env_dump, outside_job_env
 
 HEAVY = ("prefect", "distributed", "dask_jobqueue")
 
@@ -21,7 +21,7 @@ def hpcg(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None)
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "PBS_", "HPC_GARAGE"))}
+    env = outside_job_env()
     return env | extra
 
 

@@ -28,6 +28,7 @@ from hpc_garage.launchers.dask_mpi import (DaskMpiLauncher, Records, dask_mpi_ar
 from hpc_garage.schedulers import local_rank
 from hpc_garage.schedulers.jobscript import dask_mpi_ranks
 from hpc_garage.sites import load_site
+from tests.conftest import outside_job_env
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -244,7 +245,7 @@ CHECK = ROOT / "tests" / "data" / "check_cluster.py"
 
 
 def clean_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "PBS_", "HPC_GARAGE"))}
+    return outside_job_env()
 
 
 def hpcg(args: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:

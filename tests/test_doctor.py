@@ -26,6 +26,7 @@ from hpc_garage.doctor.job import JobEnd, gpu_pins, judge, mpi_ranks
 from hpc_garage.doctor.probe import REPLY_SUFFIX, TOKEN_PREFIX, _interface, _results, versions
 from hpc_garage.schedulers.pbs import Pbs, parse_qstat_queues
 from hpc_garage.schedulers.slurm import Slurm, parse_config, parse_mpi_types, parse_partitions, srun_mpi
+from tests.conftest import outside_job_env
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -394,7 +395,7 @@ def test_mpi_ranks_that_are_wrong() -> None:
 
 
 def hpcg(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "PBS_", "HPC_GARAGE"))}
+    env = outside_job_env()
     return subprocess.run([PY, "-m", "hpc_garage", *args], capture_output=True, text=True, cwd=cwd, env=env,
                           timeout=timeout)
 

@@ -10,6 +10,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+from tests.conftest import outside_job_env
 
 SWEEP = Path(__file__).resolve().parent.parent / "examples" / "sweep.py"
 PY = sys.executable
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 
 def hpcg(args: list[str], cwd: Path, timeout: float = 400) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "PBS_", "HPC_GARAGE"))}
+    env = outside_job_env()
     return subprocess.run([PY, "-m", "hpc_garage", *args], capture_output=True, text=True, cwd=cwd, env=env,
                           timeout=timeout)
 
@@ -85,7 +86,7 @@ def test_two_nodes_two_gpus_each_run_experiments_on_both(tmp_path: Path) -> None
 def test_garage_guides_four_tag_task_is_placed_on_workers_that_hold_it(tmp_path: Path) -> None:
     import ast
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "PBS_", "HPC_GARAGE"))}
+    env = outside_job_env()
     done = subprocess.run([PY, str(SWEEP.parent / "garage_tags.py")], capture_output=True, text=True, cwd=tmp_path,
                           env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import DATA
+from tests.conftest import DATA, outside_job_env
 from tests.slurm_jobs import exit_code, wait_gone
 
 SWEEP = DATA / "fault_sweep.py"
@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 
 def hpcg(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "PBS_", "HPC_GARAGE"))}
+    env = outside_job_env()
     return subprocess.run([PY, "-m", "hpc_garage", *args], capture_output=True, text=True, cwd=cwd, env=env,
                           timeout=120)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import DATA
+from tests.conftest import DATA, outside_job_env
 from tests.slurm_jobs import QueueWatch
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -28,7 +28,7 @@ LAB = {"scheduler": "slurm", "launcher": "jobqueue", "queue": "gpu", "walltime":
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "PBS_", "HPC_GARAGE"))}
+    env = outside_job_env()
     return env | extra
 
 

@@ -19,7 +19,7 @@ from hpc_garage.core.request import Request
 from hpc_garage.schedulers.jobscript import JobSpec, job_spec, render
 from hpc_garage.core.site import Site
 from hpc_garage.sites import load_site
-from tests.conftest import ROOT
+from tests.conftest import ROOT, outside_job_env
 
 SITES = ROOT / "site-configs"
 
@@ -250,7 +250,7 @@ def hpcg(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     import os
     import sys
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "PBS_", "HPC_GARAGE"))}
+    env = outside_job_env()
     return subprocess.run([sys.executable, "-X", "importtime", "-m", "hpc_garage", *args], capture_output=True,
                           text=True, env=env, cwd=cwd, timeout=60)
 

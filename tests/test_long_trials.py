@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import DATA
+from tests.conftest import DATA, outside_job_env
 from tests.slurm_jobs import wait_gone
 from tests.test_durable import hpcg, site_file, sweep_record
 
@@ -157,7 +157,7 @@ def test_cancel_gives_the_trials_their_grace_and_submits_no_follow_up(tmp_path: 
 def test_the_same_script_runs_on_a_login_node_and_outside_hpc_garage(tmp_path: Path) -> None:
     """`hpc-garage run` on a login node and plain `python`, unchanged; and no stale checkpoint: a trial whose
     inputs changed, resumed in the same epoch, starts clean beside the old one."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "HPC_GARAGE"))}
+    env = outside_job_env()
     site = site_file(tmp_path)
 
     def args(duration: int) -> list[str]:

@@ -22,6 +22,7 @@ from distributed import Client, Event, Scheduler, Worker, get_worker, wait
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from hpc_garage.cluster.placement import NAME, FreeResourcePlacement, fits, in_use, install
+from tests.conftest import outside_job_env
 
 GPU = {"GPU": 1}
 
@@ -304,7 +305,7 @@ def test_hpc_garage_run_schedulers_hold_gpu_tasks(tmp_path: Path) -> None:
                     time.sleep(0.02)
                 c.gather(futures)
     """ % NAME))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "PBS_", "HPC_GARAGE"))}
+    env = outside_job_env()
     done = subprocess.run([sys.executable, "-m", "hpc_garage", "run", "--site", "lab-gpu", "--",
                            sys.executable, str(check)], capture_output=True, text=True, env=env, cwd=tmp_path,
                           timeout=300)

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from hpc_garage.prefect_api import ApiError, PrefectApi, auth_headers, no_proxy_for, proxy_for, server_host
+from tests.conftest import outside_job_env
 
 PY = sys.executable
 SWEEP = Path(__file__).resolve().parent.parent / "examples" / "sweep.py"
@@ -33,8 +34,7 @@ PROXY_VARIABLES = ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY")
 def proxied_env(home: Path | None = None) -> dict[str, str]:
     """This environment without batch-system, hpc-garage, Prefect or proxy settings, then every proxy variable
     at a dead port and no no_proxy, as a site's login node might have it."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM", "PBS_", "HPC_GARAGE", "PREFECT_")) and not k.lower().endswith("_proxy")}
+    env = {k: v for k, v in outside_job_env(("PREFECT_",)).items() if not k.lower().endswith("_proxy")}
     env |= dict.fromkeys(PROXY_VARIABLES, DEAD_PROXY)
     if home is not None:
         env["HOME"] = str(home)
@@ -291,7 +291,7 @@ def test_two_node_slurm_sweep_with_a_dead_proxy_keeps_its_progress_and_report(tm
 
 
 def clean_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "PBS_", "HPC_GARAGE"))}
+    return outside_job_env()
 
 
 def test_the_outage_probe_asks_health_through_the_client(recorder: Recorder, dead_proxy: None) -> None:

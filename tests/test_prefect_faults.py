@@ -25,6 +25,7 @@ import pytest
 
 from tests.slurm_jobs import exit_code, wait_gone
 from tests.test_faults import SWEEP, runs, wait_marks
+from tests.conftest import outside_job_env
 
 PY = sys.executable
 TRIALS, DURATION = 12, 2.0  # 2 GPU workers on one node: about 12 s of work
@@ -84,7 +85,7 @@ def server(tmp_path: Path) -> Iterator[Server]:
 
 def submit_sweep(tmp_path: Path, server: Server, duration: float = DURATION) -> tuple[str, Path, Path, Path]:
     marks, out = tmp_path / "marks", tmp_path / "out.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "PBS_", "HPC_GARAGE"))}
+    env = outside_job_env()
     env["PREFECT_API_URL"] = server.url
     done = subprocess.run([PY, "-m", "hpc_garage", "submit", "--site", "lab-gpu", "--nodes", "1", "--gpus-per-node",
                            "2", "--time", "10", str(SWEEP), "--trials", str(TRIALS), "--duration", str(duration),
@@ -132,7 +133,7 @@ def test_the_api_killed_mid_sweep_leaves_the_sweep_its_own_outcome(tmp_path: Pat
         time.sleep(0.3)
     flow_run_id = unrecorded["flow_run_id"]
     before = sorted(t["state_type"] for t in server.task_runs(flow_run_id))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "PBS_", "HPC_GARAGE", "PREFECT_API"))}
+    env = outside_job_env(("PREFECT_API",))
     replayed = time.time()
     done = subprocess.run([PY, "-m", "hpc_garage", "replay", job], capture_output=True, text=True, env=env,
                           timeout=180)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from tests.conftest import outside_job_env
 
 PY = sys.executable
 JOB = "4242"
@@ -35,7 +36,7 @@ def runs(tmp_path: Path) -> tuple[Path, dict[str, str]]:
     sites.mkdir()
     (sites / "replay-lab.yaml").write_text(f"scheduler: slurm\nnode: {{cores: 4, memory: 8GiB}}\n"
                                            f"run_directory: {tmp_path / 'runs'}\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "PBS_", "HPC_GARAGE"))}
+    env = outside_job_env()
     return tmp_path / "runs", {**env, "HPC_GARAGE_SITES_PATH": str(sites)}
 
 

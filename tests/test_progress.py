@@ -18,6 +18,7 @@ import pytest
 from hpc_garage.cluster.progress import prefect_ui_url
 from hpc_garage.cli.status_text import progress_links
 from hpc_garage.schedulers.submission import progress_text
+from tests.conftest import outside_job_env
 
 PY = sys.executable
 SWEEP = Path(__file__).resolve().parent.parent / "examples" / "sweep.py"
@@ -109,7 +110,7 @@ def hpcg(args: list[str], cwd: Path, timeout: float = 60) -> subprocess.Complete
 
 
 def clean_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "PBS_", "HPC_GARAGE"))}
+    return outside_job_env()
 
 
 @pytest.mark.slow

@@ -18,6 +18,7 @@ from hypothesis import given, strategies as st
 
 from hpc_garage.cluster.report import build, busy_and_gaps, plot, summary
 from hpc_garage.launchers.gpu_sampler import TrialFigures, open_reader
+from tests.conftest import outside_job_env
 
 PY = sys.executable
 TRIALS = Path(__file__).resolve().parent / "data" / "timed_trials.py"
@@ -92,7 +93,7 @@ def test_no_gpu_library_or_gpu_means_no_reader() -> None:
 
 
 def hpcg(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "PBS_", "HPC_GARAGE"))}
+    env = outside_job_env()
     return subprocess.run([PY, "-m", "hpc_garage", *args], capture_output=True, text=True, cwd=cwd, env=env,
                           timeout=timeout)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import DATA
+from tests.conftest import DATA, outside_job_env
 from tests.slurm_jobs import exit_code, submit, wait_gone
 
 CHECK = DATA / "check_cluster.py"
@@ -18,7 +18,7 @@ PY = sys.executable
 
 
 def login_env(tmp_path: Path, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "PBS_", "HPC_GARAGE"))}
+    env = outside_job_env()
     return env | extra
 
 

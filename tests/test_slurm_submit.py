@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from hpc_garage.core.request import Request
+from tests.conftest import outside_job_env
 
 pytestmark = pytest.mark.slurm
 
@@ -72,7 +73,7 @@ def lab(tmp_path: Path) -> dict[str, Path]:
 
 
 def hpcg(lab: dict[str, Path], *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "PBS_", "HPC_GARAGE"))}
+    env = outside_job_env()
     env["HPC_GARAGE_SITES_PATH"] = str(lab["sites"])
     return subprocess.run([sys.executable, "-m", "hpc_garage", *args], capture_output=True, text=True, env=env,
                           cwd=lab["work"], timeout=timeout)

@@ -25,6 +25,7 @@ import pytest
 
 from hpc_garage.core.errors import UserError
 from tests.test_e2e import check_placement
+from tests.conftest import outside_job_env
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -237,7 +238,7 @@ def garage(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Garage]:
     """hpc-garage's Prefect server in a private HOME, `hpc-garage worker --pool test-gpus --site lab-gpu`, and
     the deployment sweep/gpu of examples/sweep.py (path-based: its directory is on the shared filesystem)."""
     home = tmp_path_factory.mktemp("pool-home")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "PBS_", "HPC_GARAGE", "PREFECT"))}
+    env = outside_job_env(("PREFECT",))
     env |= {"HOME": str(home), "PREFECT_WORKER_QUERY_SECONDS": "2", "PREFECT_WORKER_HEARTBEAT_SECONDS": "5"}
     garage = Garage(home, env, "", "", home / "worker.log")
     garage.start_worker()
@@ -453,7 +454,7 @@ def test_a_worker_that_loses_its_own_api_keeps_its_job_and_catches_up(tmp_path: 
     from tests.test_prefect_faults import Server
 
     server = Server(tmp_path / "prefect-home")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "PBS_", "HPC_GARAGE", "PREFECT"))}
+    env = outside_job_env(("PREFECT",))
     env |= {"HOME": str(tmp_path), "PREFECT_API_URL": server.url, "PREFECT_WORKER_QUERY_SECONDS": "2"}
     garage = Garage(tmp_path, env, server.url, "", tmp_path / "worker.log")
     try:
