@@ -197,6 +197,13 @@ def scratch(prefix: str) -> Path:
 # -------------------------------------------------------------------------------------------- SLURM
 
 
+def outside_job_env(also: tuple[str, ...] = ()) -> dict[str, str]:
+    """This environment as a login shell's (no job's SLURM_*/PBS_*, no HPC_GARAGE_*), SLURM_CONF kept: it
+    names the cluster this bench uses (the CI runs the quick bench on a second local SLURM)."""
+    return {k: v for k, v in os.environ.items()
+            if k == "SLURM_CONF" or not k.startswith(("SLURM", "PBS_", "HPC_GARAGE", *also))}
+
+
 def slurm_problem() -> str | None:
     if not shutil.which("sbatch"):
         return "sbatch is not installed (scripts/local-slurm up)"

@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import (BIN, PYTHON, ROOT, Figure, Jobs, compare, ratio_to_best, read_json_when_ready, say,
-                          scratch, wait_for_free_nodes)
+from bench.common import (BIN, PYTHON, ROOT, Figure, Jobs, compare, outside_job_env, ratio_to_best,
+                          read_json_when_ready, say, scratch, wait_for_free_nodes)
 
 POOL = "bench-gpus"
 SWEEP = ROOT / "examples" / "sweep.py"
@@ -51,7 +51,7 @@ def measure(runs: int, poll: float) -> list[Figure]:
     from hpc_garage.prefect.server import ensure_api
     from hpc_garage.prefect_api import PrefectApi
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "PBS_", "HPC_GARAGE", "PREFECT_"))}
+    env = outside_job_env(also=("PREFECT_",))
     api_env = ensure_api()  # one running API for both, as a site would have
     env |= api_env | {"PREFECT_WORKER_QUERY_SECONDS": f"{poll:g}"}
     api = PrefectApi.from_env(api_env, timeout=30)
