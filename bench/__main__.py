@@ -8,10 +8,13 @@
     python -m bench --only trials   what issue 24's per-trial API costs trials that never call it (on vs bypassed)
     python -m bench --only ui       the managed Prefect server's start-up and memory with its UI and without
     python -m bench --only deployment   a deployment run on an `hpc-garage` work pool against `submit`
+    python -m bench --only pruning  issue 25's pruned sweep on SLURM (none, ASHA, median) against Ray Tune's ASHA
+    python -m bench --only reports  what 10,000 `trial.report()` calls per trial cost, and the scheduler meanwhile
 
-Each benchmark runs in its own Python process (bench.startup, bench.overhead, bench.fault_cost, bench.trial_cost, bench.packing,
-bench.cli_speed, bench.server_ui, bench.deployment), so one's imports, Prefect settings and clusters cannot colour another's figures. Needs the local SLURM up
-(scripts/local-slurm up) for start-up and packing; they are reported as skipped without it.
+Each benchmark runs in its own Python process (bench.startup, bench.overhead, bench.fault_cost, bench.trial_cost, bench.report_cost, bench.packing,
+bench.tune_peer, bench.cli_speed, bench.server_ui, bench.deployment), so one's imports, Prefect settings and clusters cannot colour another's figures. Needs the local SLURM up
+(scripts/local-slurm up) for start-up, packing and pruning; they are reported as skipped without it. The pruning
+benchmark's Ray Tune peer builds a virtual environment with `ray[tune]` once, under the bench's cache.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from bench.common import PYTHON, ROOT, machine, say, slurm_problem
 from bench.report import write_reports
 
 RESULTS = Path(__file__).resolve().parent / "results"
-ORDER = ("cli", "overhead", "faults", "trials", "ui", "packing", "startup", "deployment", "scaling")
+ORDER = ("cli", "overhead", "faults", "trials", "reports", "ui", "packing", "pruning", "startup", "deployment",
+         "scaling")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     sections: dict[str, Any] = {}
     failed = []
     for name in chosen:
-        if name in ("startup", "packing", "deployment", "scaling") and no_slurm:
+        if name in ("startup", "packing", "pruning", "deployment", "scaling") and no_slurm:
             sections[name] = {"skipped": no_slurm}
             say(f"{name}: skipped: {no_slurm}")
             continue
@@ -89,7 +93,8 @@ def _run(argv: list[str], log: Path) -> int:
 
 
 def _module(name: str) -> str:
-    return {"cli": "cli_speed", "faults": "fault_cost", "trials": "trial_cost", "ui": "server_ui"}.get(name, name)
+    return {"cli": "cli_speed", "faults": "fault_cost", "trials": "trial_cost", "ui": "server_ui",
+            "reports": "report_cost", "pruning": "tune_peer"}.get(name, name)
 
 
 def _arguments(name: str, quick: bool, runs: int, out: Path) -> list[str]:
@@ -100,6 +105,13 @@ def _arguments(name: str, quick: bool, runs: int, out: Path) -> list[str]:
         return base + ["--tasks", "10" if quick else "200"]
     if name == "cli":
         return base + (["--nodes", "64"] if quick else [])
+    if name == "reports":  # issue 25: 10,000 trial.report() calls per trial (2,000 in --quick), 2 trials at once
+        return base + ["--reports", "2000" if quick else "10000", "--trials", "2"]
+    if name == "pruning":  # issue 25: each sweep is a SLURM job (and Ray Tune's a login-node run): 2 runs at most
+        if quick:  # hpc-garage without pruner and with ASHA, and Ray Tune if its venv builds in 10 min
+            return ["--runs", "1", "--trials", "8", "--steps", "8", "--step-seconds", "0.2", "--pruners", "none,asha",
+                    "--ray-build-timeout", "600"]
+        return ["--runs", str(min(runs, 2))]
     if name == "packing":
         # quick: not prefect-submitit (a Python 3.12 venv to build, and an interpreter start per trial)
         sizes = ["--gpu-trials", "8", "--cpu-trials", "2", "--seconds", "0.2", "--layouts", "ours,guide,jobqueue"] if quick else []

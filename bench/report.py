@@ -74,6 +74,18 @@ def _extra(name: str, section: dict[str, Any]) -> list[str]:
                                f"using {r['window_cpu']:.2f} s of the scheduler's main thread, load {r['load']:.1f}")
     if name == "packing" and section.get("plot"):
         out.append(f"- per-GPU timeline of each layout's last sweep: `{section['plot']}`")
+    if name == "pruning" and section.get("rows"):  # issue 25: each sweep's figures side by side
+        out += ["", "| sweep | GPU-seconds | makespan | pruned | steps a pruned trial ran (mean) | best trial |",
+                "|---|---|---|---|---|---|"]
+        for who, row in section["rows"].items():
+            best = ", ".join(map(str, row["best"])) + ("" if row["same_best"] else
+                                                         f" (**not** {section.get('expected_best')})")
+            steps = "–" if row.get("pruned_steps") is None else f"{row['pruned_steps']:g}"
+            out.append(f"| {who} | {row['gpu_seconds']:.1f} s | {row['makespan']:.1f} s | {row['pruned']:g} | {steps} "
+                       f"| {best} |")
+        out.append("")
+        out.append(f"- best trial of the full curves: {section.get('expected_best')}; GPU-seconds = each trial's "
+                   "duration x its 1 GPU, summed; makespan = first trial's start to last trial's end (median of runs)")
     if name == "cli" and section.get("json_bytes"):
         out.append(f"- `show --json` output for the big plan: {section['json_bytes'] / 1e6:.1f} MB")
     return out
@@ -91,7 +103,7 @@ def _value(v: float | None, unit: str) -> str:
 
 def _range(f: dict[str, Any]) -> str:
     if f["min"] is None:
-        return "failed" if f.get("note") else "–"
+        return ("skipped" if f["note"].startswith("skipped") else "failed") if f.get("note") else "–"
     return f"{_value(f['min'], f['unit'])} – {_value(f['max'], f['unit'])}"
 
 

@@ -47,7 +47,10 @@ def task_runner(**kwargs):  # noqa: ANN201 - returns a prefect-dask DaskTaskRunn
 
     Under `hpc-garage run` it connects to the cluster `run` started ($HPC_GARAGE_SCHEDULER_FILE, with the job's
     TLS credentials); anywhere else it starts a local cluster shaped like one node of a site (`site=...`, else
-    $HPC_GARAGE_SITE, else `local`). Other keyword arguments are prefect-dask's `DaskTaskRunner`'s. The flow
+    $HPC_GARAGE_SITE, else `local`). `pruner=` ("median", "percentile", "asha", "hyperband" or an Optuna pruner;
+    `pip install 'hpc-garage[tune]'`) stops trials early from what they report (`hpc_garage.trial.report`),
+    by `metric=` (required with a pruner) and `mode=` ("min", the default, or "max"). Other keyword arguments
+    are prefect-dask's `DaskTaskRunner`'s. The flow
     and every worker use one Prefect API: the one Prefect's settings name, else hpc-garage's own server, started
     if need be (one that cannot start is a `UserError` naming why, at once).
     """

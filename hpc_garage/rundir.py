@@ -17,6 +17,8 @@ job leaves there, who reads it, and what a later job with the same id must not s
     worker-logs/          worker jobs: `<job name>-<job id>.out` (SLURM)     people, the jobqueue launcher
     flow-runs             the task runner: COMMAND's flow runs, one a line   run (crash marking), progress
     report.json           `run` as COMMAND ends                              `hpc-garage report`
+    metrics/              the flow (prefect/metrics.py): trials.json, the    status, report, Prefect
+                          trials' reports (`<trial>.jsonl`), 0700            artifacts (cluster/progress.py)
     doctor.json           `doctor --job`'s probe: what it found in the job   `hpc-garage doctor`
     cancel-requested      `cancel`, before it signals the job (no follow-up) `run`'s wind-down
     unrecorded.json       the flow, when Prefect's API died: what it lacks   `hpc-garage replay`
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import time
 from collections.abc import Iterator, Mapping
@@ -55,6 +58,8 @@ WORKER_JOBS_FILE = "worker-jobs.json"
 WORKER_LOG_DIR = "worker-logs"
 FLOW_RUNS_FILE = "flow-runs"
 REPORT_FILE = "report.json"
+METRICS_DIR = "metrics"  # private (0700): what the trials reported (prefect/metrics.py writes it)
+METRICS_SUMMARY_FILE = "trials.json"  # in METRICS_DIR
 DOCTOR_FILE = "doctor.json"
 CANCEL_FILE = "cancel-requested"  # private to `cancel` and `run`: this start of the job is being cancelled
 UNRECORDED_FILE = "unrecorded.json"
@@ -166,6 +171,22 @@ class RunDir:
     @property
     def doctor_file(self) -> Path:
         return self.path / DOCTOR_FILE
+
+    # ---- what the trials report (trial.report)
+
+    @property
+    def metrics_dir(self) -> Path:
+        return self.path / METRICS_DIR
+
+    @property
+    def metrics_summary(self) -> Path:
+        """trials.json: each reporting trial's last and best values, state; the best trial; counts."""
+        return self.metrics_dir / METRICS_SUMMARY_FILE
+
+    def trial_metrics(self, trial_id: str) -> Path:
+        """One trial's reports, a JSON line each; the id made a safe file name (a key or a task run id is one)."""
+        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", trial_id).lstrip(".") or "_"
+        return self.metrics_dir / f"{safe}.jsonl"
 
     # ---- `cancel` asks the running job to wind down first
 

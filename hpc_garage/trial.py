@@ -1,5 +1,6 @@
-"""What a trial longer than one job uses: a checkpoint directory that follows it from job to job, a stop it
-can act on before its job ends, and the exception that says "saved, not done".
+"""What a trial uses while it runs: a checkpoint directory that follows it from job to job, a stop it can act
+on before its job ends (or when the pruner stops it), the exception that says "saved, not done", and
+`report()`, the values it reports as it goes.
 
     from hpc_garage import trial
 
@@ -9,8 +10,11 @@ can act on before its job ends, and the exception that says "saved, not done".
         state = load(ckpt) if ckpt.exists() else fresh(lr)
         while not state.done:
             step(state)
+            trial.report(state.step, loss=state.loss)
             if state.step % 100 == 0 or trial.should_stop():
                 save(state, ckpt)
+            if trial.stop_reason() == "pruned":  # the pruner stopped it: a result, not an interruption
+                return state.loss
             if trial.should_stop():
                 raise trial.Interrupted("checkpoint saved")
         return state.loss
@@ -28,22 +32,37 @@ cached and Prefect does not retry it; the follow-up job (the site's `requeue: au
 runs it again, from its checkpoint. `Interrupted` derives from BaseException, as KeyboardInterrupt does, so
 an `except Exception:` in the trial does not swallow it.
 
-Imports nothing heavy: should_stop() is one flag test.
+`report(step, loss=..., acc=...)` hands one message to the worker's event loop, which sends the reports on
+Dask's own channel from the worker to its scheduler (structured events, several reports to an event, on the
+worker's batched stream, no reply awaited, no Prefect API call); the flow's process stores it in the
+run directory and, where `hpc_garage.task_runner(pruner=..., metric=...)` names a pruner, asks it. A trial
+the pruner stops sees `should_stop()` true with `stop_reason() == "pruned"`: it should return its result
+(it is then recorded as pruned, Completed and cached, and not run again by a resume or a follow-up job).
+Outside a Dask worker (plain `python sweep.py`) `report()` checks its arguments and does nothing more.
+
+Imports nothing heavy: should_stop() is one flag test; report() builds one small message.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
+import sys
+import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from hpc_garage.cluster import stopping
-from hpc_garage.cluster.stopping import CHECKPOINTS_DIR
+from hpc_garage.cluster.stopping import CHECKPOINTS_DIR, REPORT_TOPIC
 from hpc_garage.variables import RESULTS_ENV, SWEEP_ENV
 
-__all__ = ["Interrupted", "checkpoint_dir", "on_stop", "should_stop", "stop_reason"]
+__all__ = ["Interrupted", "checkpoint_dir", "on_stop", "report", "should_stop", "stop_reason"]
 
 LOCAL_DIR = ".hpc-garage-checkpoints"  # outside hpc-garage: under the current directory
+EVENT_REPORTS = 1000  # reports in one event at most: {"reports": [{"trial", "run", "task", "step", ...}, ...]}
 
 
 class Interrupted(BaseException):
@@ -61,6 +80,29 @@ def should_stop() -> bool:
 def stop_reason() -> str | None:
     """Why this trial should stop (e.g. "walltime: 30 s left"), or None."""
     return stopping.reason(_run_id()) if stopping.any_stop() else None
+
+
+def report(step: int, **metrics: float) -> None:
+    """Report this trial's values at `step` (an int >= 0): `trial.report(step, loss=loss, acc=acc)`.
+
+    They are kept per trial in the job's run directory (status, the report, Prefect show them) and, with a
+    pruner, decide whether the trial goes on: check `should_stop()` after reporting. A step reported again
+    (a trial continued from its checkpoint) is kept, and the pruner keeps its first value. Outside a Dask
+    worker this only checks its arguments. A bad step or value is a ValueError naming it.
+    """
+    values = _checked(step, metrics)
+    worker = _worker()
+    if worker is None:
+        return
+    header = _header()
+    if header is None:  # a plain Dask task, not a Prefect task run: no trial to report for
+        return
+    _outbox.append((worker, {**header, "step": int(step), "time": time.time(), "values": values,
+                             "worker": worker.address}))
+    global _flush_due
+    if not _flush_due:
+        _flush_due = True
+        worker.loop.add_callback(_flush)
 
 
 def on_stop(callback: Callable[[str], None]) -> None:
@@ -96,3 +138,77 @@ def _run_id() -> str | None:
         return None
     ctx = task_context()
     return ctx.task_run.id.hex if ctx is not None else None
+
+
+def _checked(step: Any, metrics: dict[str, Any]) -> dict[str, float]:
+    """The metrics as floats; ValueError, one line, for a step that is not an int >= 0 or a value that is not
+    a finite real number (a 0-d tensor or a NumPy scalar is one)."""
+    if not isinstance(step, numbers.Integral) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"trial.report(step={step!r}): step must be an int >= 0 (the trial's epoch or iteration)")
+    if not metrics:
+        raise ValueError(f"trial.report({step!r}) reports no value; name each one: trial.report(step, loss=...)")
+    values = {}
+    for name, value in metrics.items():
+        try:
+            number = float(value) if not isinstance(value, (str, bytes, bool)) else math.nan
+        except (TypeError, ValueError):
+            number = math.nan
+        if not math.isfinite(number):
+            raise ValueError(f"trial.report({step}, {name}={value!r}): {name} must be a finite real number")
+        values[name] = number
+    return values
+
+
+def _worker() -> Any:
+    """The Dask worker running this thread's task, or None; never imports distributed (plain python)."""
+    module = sys.modules.get("distributed.worker")
+    if module is None:
+        return None
+    try:
+        return module.get_worker()
+    except ValueError:
+        return None
+
+
+# Reports wait here for the worker's event loop, which sends them on (Worker.log_event: its batched stream):
+# waking the loop once per report would cost more than the report (a thread switch each), so the first report
+# after a flush wakes it, and the ones that follow while it is busy go with it.
+_outbox: deque[tuple[Any, dict[str, Any]]] = deque()  # (worker, message); deque appends are thread-safe
+_flush_due = False  # a flush is scheduled on the loop and has not started
+
+
+def _flush() -> None:
+    """On the worker's event loop: send the waiting reports, in order, as one event per worker and EVENT_REPORTS
+    (the scheduler then handles one message for many reports)."""
+    global _flush_due
+    _flush_due = False  # first: a report added from here on schedules the next flush
+    batches: dict[int, tuple[Any, list[dict[str, Any]]]] = {}
+    while _outbox:
+        worker, msg = _outbox.popleft()
+        reports = batches.setdefault(id(worker), (worker, []))[1]
+        reports.append(msg)
+        if len(reports) >= EVENT_REPORTS:
+            worker.log_event(REPORT_TOPIC, {"reports": batches.pop(id(worker))[1]})
+    for worker, reports in batches.values():
+        worker.log_event(REPORT_TOPIC, {"reports": reports})
+
+
+_headers: dict[str, dict[str, str]] = {}  # task run id hex -> what each of its reports says it is
+
+
+def _header() -> dict[str, str] | None:
+    """{"trial", "run", "task"} of the current Prefect task run: its sweep-cache key where known (the same in
+    every job of the epoch), else its task run id; None outside a task run."""
+    context = sys.modules.get("prefect.context")
+    ctx = context.TaskRunContext.get() if context is not None else None
+    if ctx is None:
+        return None
+    run_id = ctx.task_run.id.hex
+    header = _headers.get(run_id)
+    if header is None:
+        known = stopping.trial(run_id)
+        if len(_headers) >= stopping.KEEP:
+            _headers.clear()
+        header = _headers[run_id] = {"trial": str(known["key"]) if known else run_id, "run": run_id,
+                                     "task": ctx.task.name}
+    return header

@@ -82,7 +82,9 @@ def _command_section(command: Any, path: list[str], ctx: Any) -> list[str]:
     lines = [f"## `{name}`", "", "```", command.get_usage(sub).replace("Usage: ", "").strip(), "```", ""]
     if command.help:
         lines += [inspect.cleandoc(click.unstyle(command.help)).replace("\b\n", ""), ""]
-    params = [p for p in command.get_params(sub) if p.name != "help" and not getattr(p, "hidden", False)]
+    # click's own --help: by its flag, as its name differs between click releases (8.5 lists it otherwise)
+    params = [p for p in command.get_params(sub)
+              if "--help" not in getattr(p, "opts", ()) and not getattr(p, "hidden", False)]
     if params:
         lines += ["| option | meaning |", "|---|---|", *(_option_row(p) for p in params), ""]
     if isinstance(command, click.Group):

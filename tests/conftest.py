@@ -49,7 +49,8 @@ SERVER_FIXTURES = {"api", "cluster", "runner"}  # a Prefect server, a Dask clust
 
 # `scripts/test` (no arguments) runs the SLURM tests in two shards side by side, each on a cluster of its own
 # (the second one reached through SLURM_CONF): the long ones here, the rest there. $HPC_GARAGE_SLURM_SHARD picks.
-SECOND_SHARD = {"test_long_trials.py", "test_docs.py", "test_doctor.py", "test_prefect_api.py", "test_bench.py"}
+SECOND_SHARD = {"test_long_trials.py", "test_docs.py", "test_doctor.py", "test_prefect_api.py", "test_bench.py",
+                "test_pruning_sweep.py"}
 SHARD_ENV = "HPC_GARAGE_SLURM_SHARD"  # 1 or 2: only the SLURM tests of that shard; unset: all
 
 

@@ -43,7 +43,7 @@ IMPURE = re.compile(r"\bos\.environ\b|\bos\.getenv\b|\bexpandvars\b|\bsubprocess
 # alone, and what it reaches counts as the importer's own reach. ARCHITECTURE.md's table says the same (checked).
 FLOOR = {"core", "variables", "log", "files", "rundir", "sites", "sweeps"}
 PREFECT_SIDE = {"core", "variables", "log", "files", "rundir", "prefect_api", "compat", "cluster.handoff",
-                "cluster.stopping", "schedulers.job_env"}
+                "cluster.stopping", "schedulers.job_env", "pruning"}
 LAYERS: dict[str, set[str]] = {
     "core": set(),
     "_version": set(),
@@ -55,6 +55,7 @@ LAYERS: dict[str, set[str]] = {
     "sites": {"core", "variables"},
     "sweeps": {"core", "files"},
     "compat": {"core.errors"},
+    "pruning": {"core", "variables"},  # Optuna's pruners for task_runner(pruner=...); imports optuna lazily
     "schedulers": FLOOR | {"compat"},
     "launchers": FLOOR | {"compat", "schedulers"},
     "cluster": FLOOR | {"compat", "schedulers", "launchers", "prefect_api"},
@@ -62,8 +63,10 @@ LAYERS: dict[str, set[str]] = {
     # `hpc-garage doctor`: above `run` (it submits and follows a job), and the managed server (lazily)
     "doctor": FLOOR | {"compat", "schedulers", "launchers", "prefect_api", "cluster", "prefect"},
     # the `hpc-garage` work-pool type Prefect loads (entry point): prefect/pool_worker.py + schedulers/flow_run_jobs.py
-    "work_pool": FLOOR | {"compat", "schedulers", "prefect_api", "cluster.handoff", "cluster.stopping", "prefect"},
-    "cli": FLOOR | {"compat", "schedulers", "launchers", "prefect_api", "cluster", "prefect", "work_pool", "doctor"},
+    "work_pool": FLOOR | {"compat", "schedulers", "prefect_api", "cluster.handoff", "cluster.stopping", "pruning",
+                          "prefect"},
+    "cli": FLOOR | {"compat", "schedulers", "launchers", "prefect_api", "cluster", "pruning", "prefect", "work_pool",
+                    "doctor"},
     "__init__": PREFECT_SIDE | {"prefect"},  # the package root: resources(), task_runner()
     "trial": PREFECT_SIDE | {"prefect"},  # the per-trial API: checkpoint_dir(), should_stop(), Interrupted
 }

@@ -83,14 +83,16 @@ def test_read_json_when_ready_waits_for_a_whole_file_and_gives_up_when_its_write
 
 @pytest.mark.slow
 @pytest.mark.slurm
-@pytest.mark.timeout(1500)  # nine benchmarks, each with its own cluster and Prefect server: over 10 min on a loaded CI machine
+# ten benchmarks, each with its own cluster and Prefect server: over 10 min on a loaded CI machine; the pruning
+# one adds 2 SLURM jobs and Ray Tune (its virtual environment built once, a few minutes)
+@pytest.mark.timeout(2400)
 def test_quick_bench_runs_every_benchmark(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "bench", "--quick", "--out", str(tmp_path)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=1400)
+                          capture_output=True, text=True, timeout=2300)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "latest.json").read_text())
-    assert set(report["benchmarks"]) == {"cli", "overhead", "faults", "trials", "ui", "packing", "startup",
-                                         "deployment"}
+    assert set(report["benchmarks"]) == {"cli", "overhead", "faults", "trials", "reports", "ui", "packing",
+                                         "pruning", "startup", "deployment"}
     for name, section in report["benchmarks"].items():
         assert section.get("figures"), (name, section)
         ours = [f for f in section["figures"] if f["ours"]]
@@ -161,3 +163,49 @@ def test_peers_and_servers_start_the_environments_own_interpreter() -> None:
     server's keeper then failed with "No module named prefect" in a fresh venv)."""
     assert common.PYTHON == sys.executable
     assert common.BIN == Path(sys.executable).parent
+
+
+def sweep(gpu_seconds: float, makespan: float, pruned: int, best: int, expected: int = 3) -> dict[str, object]:
+    return {"gpu_seconds": gpu_seconds, "makespan": makespan, "pruned": pruned, "best": {"trial": best},
+            "expected_best": {"trial": expected}}
+
+
+def test_pruning_judges_asha_against_ray_tune_and_the_unpruned_sweep_with_the_same_best_trial() -> None:
+    from bench.tune_peer import LABELS, summarize
+
+    size = {"trials": 32, "steps": 30, "step_seconds": 0.2}
+    sweeps = {"none": [sweep(200.0, 30.0, 0, 3)], "asha": [sweep(60.0, 12.0, 24, 3)],
+              "median": [sweep(130.0, 20.0, 10, 5)], "ray": [sweep(50.0, 10.0, 25, 3) | {"ray": "2.60.0", "init_seconds": 8.0, "fit_seconds": 20.0, "ray_best_trial": 3}]}
+    out = summarize(sweeps, {}, size)
+    gpu = {f["label"]: f for f in out["figures"] if f["group"].endswith("GPU-seconds")}
+    asha, median = gpu[LABELS["asha"]], gpu[LABELS["median"]]
+    assert asha["ratios"] == {LABELS["none"]: 0.3, LABELS["ray"]: 1.2} and asha["met"] is False  # 1.2x Ray Tune's
+    assert median["met"] is False and "the full curves: 3" in median["note"]  # 0.65x, and another best trial
+    assert [f["group"].endswith("GPU-seconds") for f in out["figures"]] == [True] * 4 + [False] * 4  # one group, then the other
+    sweeps["asha"] = [sweep(45.0, 12.0, 26, 3)]
+    assert next(f for f in summarize(sweeps, {}, size)["figures"] if f["label"] == LABELS["asha"])["met"] is True
+    skipped = summarize({k: v for k, v in sweeps.items() if k != "ray"}, {"ray": "skipped: no pip"}, size)
+    ray = next(f for f in skipped["figures"] if f["label"] == LABELS["ray"])
+    assert ray["values"] == [] and ray["note"] == "skipped: no pip"
+    assert next(f for f in skipped["figures"] if f["label"] == LABELS["asha"])["met"] is True  # judged on what ran
+    text = markdown({"machine": {"date": "today"}, "quick": False, "runs": 1, "seconds": 1.0,
+                     "benchmarks": {"pruning": skipped | {"seconds": 60}}})
+    assert "| skipped |" in text and f"| {LABELS['asha']} | 45.0 s | 12.0 s | 26 | – | 3 |" in text
+
+
+def test_report_cost_is_per_call_against_the_loop_that_never_reports_and_latency_by_window() -> None:
+    from bench.report_cost import IDLE, MEDIAN, NEVER, PLAIN, summarize
+
+    def run(seconds: float) -> list[dict[str, object]]:
+        return [{"seconds": seconds, "pruned": False}, {"seconds": seconds, "pruned": False}]
+
+    samples = {NEVER: [run(0.01)], PLAIN: [run(0.21)], MEDIAN: [run(0.51)]}
+    windows = [(IDLE, -1, 0.0, 10.0), (NEVER, 0, 20.0, 21.0), (PLAIN, 0, 30.0, 33.0), (MEDIAN, 0, 40.0, 45.0)]
+    latencies = [[t, 0.002] for t in range(0, 10)] + [[31.0, 0.03], [32.0, 0.2], [41.0, 0.01]]
+    out = summarize(10_000, 2, 1, samples, windows, latencies)
+    figures = {f["label"]: f for f in out["figures"]}
+    assert figures[PLAIN]["values"] == [pytest.approx(20.0)] and figures[PLAIN]["met"] is True  # µs per call
+    assert figures[MEDIAN]["values"] == [pytest.approx(50.0)]
+    assert figures[f"while {PLAIN}"]["values"] == [0.2] and figures[f"while {PLAIN}"]["met"] is False  # p95 over 100 ms
+    assert figures[f"while {MEDIAN}"]["met"] is True and figures[IDLE]["values"] == [0.002]
+    assert out["latency"][PLAIN]["samples"] == 2 and NEVER not in out["latency"]

@@ -129,6 +129,31 @@ def test_a_server_that_exits_is_reported_with_its_log(fake_python) -> None:  # n
     assert not (state_dir() / "server.json").exists()
 
 
+def test_a_port_taken_between_choice_and_bind_is_tried_again_on_another(monkeypatch: pytest.MonkeyPatch,
+                                                                         tmp_path: Path) -> None:
+    """Another process on a busy login node binds the port hpc-garage chose before the server does (seen in
+    CI): the start goes on on another port; the same port offered again is no race, and is refused."""
+    from hpc_garage.prefect.server import managed
+
+    ports, started = iter([5001, 5002, 5003]), []
+
+    def start_on(port: int, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        started.append(port)
+        if port == 5001:
+            raise managed._PortTaken(UserError(f"port {port}: address already in use"))
+        return f"server on {port}"
+
+    monkeypatch.setattr(managed, "_free_port", lambda host: next(ports))
+    monkeypatch.setattr(managed, "_start_on", start_on)
+    assert managed._start(tmp_path, "127.0.0.1", 1.0, 60.0, None) == "server on 5003"  # 5002: the check
+    assert started == [5001, 5003]
+    monkeypatch.setattr(managed, "_free_port", lambda host: 5001)
+    started.clear()
+    with pytest.raises(UserError, match="port 5001: address already in use"):
+        managed._start(tmp_path, "127.0.0.1", 1.0, 60.0, None)
+    assert started == [5001]
+
+
 def test_a_server_that_never_answers_is_stopped(fake_python) -> None:  # noqa: ANN001
     fake_python('echo "hanging"; sleep 600')
     before = set(processes.children)  # another module's server, stopped by `server stop`, may be listed

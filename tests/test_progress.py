@@ -330,3 +330,107 @@ def test_gpu_figures_reach_each_trials_prefect_task_run(tmp_path: Path) -> None:
     log = Path(status["log"]).read_text()
     line = f"hpc-garage: report: GPU figures attached to 5 Prefect task runs as artifacts (key {ARTIFACT_KEY})"
     assert f"{line}\n" in log, log
+
+
+# ------------------------------------------------------------------ what the trials reported (trial.report)
+
+
+def metrics_report(runs: list[str], states: list[str]) -> dict[str, Any]:
+    """A report (cluster/report.build's shape) of Prefect trials that reported, with its "metrics" as
+    cluster/trial_metrics.section makes it from a trials.json."""
+    from hpc_garage.cluster.report import by_task_run
+    from hpc_garage.cluster.trial_metrics import section
+
+    trials = {f"key-{i}": {"task": "train", "run": run, "reports": 12, "last_step": 11, "last": {"loss": 0.3 + i},
+                           "best": {"loss": 0.29 + i, "acc": 0.9}, "state": state, "started": 0.0, "ended": 1.0}
+              for i, (run, state) in enumerate(zip(runs, states))}
+    summary = {"metric": "loss", "mode": "min", "pruner": "MedianPruner", "trials": trials, "reporting": len(runs),
+               "pruned": states.count("pruned"), "best": {"trial": "key-0", "value": 0.29, "step": 11}}
+    report = {"trials": [{"key": f"train-{run}", "worker": "w0", "gpus": ["0"], "start": 0.0,
+                          "duration_s": 10.0 if state == "done" else 4.0, "failed": False}
+                         for run, state in zip(runs, states)]}
+    report["metrics"] = section(summary, by_task_run(report))
+    return report
+
+
+def test_progress_shows_what_the_trials_reported_and_never_fails_for_it(tmp_path: Path) -> None:
+    """state.json's progress carries trials.json's counts and best trial once a trial reported; a missing,
+    half-written or foreign file leaves it out, and the figures still come."""
+    from types import SimpleNamespace
+
+    from hpc_garage.cluster.progress import RunProgress
+
+    path = tmp_path / "metrics" / "trials.json"
+    progress = RunProgress(lambda figures: None, metrics=path)
+    progress.scheduler = SimpleNamespace(workers={}, services={}, address="tcp://127.0.0.1:1")
+    assert "metrics" not in progress.figures() and progress.figures()["done"] == 0
+    path.parent.mkdir()
+    summary = {"metric": "loss", "trials": {"t1": {"task": "train", "state": "pruned", "best": {"loss": 0.5}},
+                                            "t2": {"task": "train", "state": "running", "best": {"loss": 0.29}}},
+               "reporting": 2, "pruned": 1, "best": {"trial": "t2", "value": 0.29, "step": 11}}
+    for broken in (json.dumps(summary)[:40], "[]", json.dumps({"trials": "no"})):
+        path.write_text(broken)
+        assert "metrics" not in progress.figures(), broken
+    path.write_text(json.dumps(summary))
+    assert progress.figures()["metrics"] == {"reporting": 2, "pruned": 1, "best": {
+        "trial": "t2", "task": "train", "metric": "loss", "value": 0.29, "step": 11}}
+
+
+def test_trial_metrics_ask_nothing_without_an_api_or_a_reporting_trial() -> None:
+    import uuid
+
+    from hpc_garage.cluster.progress import attach_trial_metrics
+
+    api = CountingApi()
+    try:
+        assert attach_trial_metrics({"trials": []}, api.api) is None  # no trial reported
+        assert attach_trial_metrics(metrics_report([uuid.uuid4().hex], ["done"]), {}) is None  # no Prefect API
+        plain = metrics_report([uuid.uuid4().hex], ["done"])
+        plain["metrics"]["trials"][0]["run"] = "not-a-task-run"  # a plain Dask task's report
+        assert attach_trial_metrics(plain, api.api) is None
+        assert api.calls == []
+        started = time.monotonic()
+        line = attach_trial_metrics(metrics_report([uuid.uuid4().hex for _ in range(8)], ["done"] * 8), api.api,
+                                    budget=1.5)  # it never answers /artifacts/: the budget caps it
+        assert time.monotonic() - started < 2.0 and line is not None and "9 artifacts not attached within 1.5 s" in line
+    finally:
+        api.close()
+
+
+@pytest.mark.slow
+def test_trial_metrics_reach_each_trials_task_run_and_the_sweeps_its_flow_run() -> None:
+    """Against a real Prefect server (the managed one, started if none runs): three task runs of one flow run
+    that reported get one table each (last and best of each metric, state, steps), the flow run one with the
+    sweep's counts, best trial and the GPU-seconds saved; read back from the API."""
+    import uuid
+
+    from hpc_garage.cluster.progress import SWEEP_METRICS_KEY, TRIAL_METRICS_KEY, attach_trial_metrics
+    from hpc_garage.prefect.server import ensure_api
+    from hpc_garage.prefect_api import PrefectApi
+
+    env = ensure_api(env=clean_env())
+    client = PrefectApi.from_env(env, timeout=10)
+    assert client is not None
+    flow = client.post("/flows/", {"name": f"hpc-garage-test-metrics-{uuid.uuid4().hex[:8]}"})
+    flow_run = client.post("/flow_runs/", {"flow_id": flow["id"], "name": "metrics"})
+    runs = [client.post("/task_runs/", {"flow_run_id": flow_run["id"], "task_key": "train", "dynamic_key": str(i),
+                                        "name": f"train-{i}"})["id"] for i in range(3)]
+    report = metrics_report([uuid.UUID(run).hex for run in runs], ["done", "done", "pruned"])
+    line = attach_trial_metrics(report, env)
+    assert line == (f"trial metrics attached to 3 Prefect task runs as artifacts (key {TRIAL_METRICS_KEY}), the "
+                    f"sweep's to their flow run (key {SWEEP_METRICS_KEY})"), line
+    found = client.post("/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [flow_run["id"]]},
+                                                            "key": {"any_": [TRIAL_METRICS_KEY, SWEEP_METRICS_KEY]}}})
+    mine = {a["task_run_id"]: a for a in found if a["key"] == TRIAL_METRICS_KEY}
+    assert set(mine) == set(runs), found
+    rows = json.loads(mine[runs[2]]["data"])
+    assert rows == [{"metric": "loss", "last": 2.3, "best": 2.29, "state": "pruned", "reports": 12, "last_step": 11},
+                    {"metric": "acc", "last": None, "best": 0.9, "state": "pruned", "reports": 12, "last_step": 11}]
+    assert mine[runs[2]]["type"] == "table" and "stopped early by the pruner" in mine[runs[2]]["description"]
+    [sweep] = [a for a in found if a["key"] == SWEEP_METRICS_KEY]
+    assert sweep["task_run_id"] is None and sweep["flow_run_id"] == flow_run["id"]
+    assert json.loads(sweep["data"]) == [{"reporting": 3, "done": 2, "pruned": 1, "did_not_end": 0,
+                                          "pruner": "MedianPruner", "metric": "loss", "best_trial": "key-0",
+                                          "best_task": "train", "best_value": 0.29, "best_step": 11,
+                                          "GPU-s saved (estimate)": 6.0}]
+    assert "pruning saved about 6.0 GPU-s" in sweep["description"]

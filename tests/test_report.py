@@ -160,3 +160,73 @@ def test_nvml_reads_a_gpu_busy_with_a_real_kernel() -> None:
     reader.close()
     got = figures.to_dict()
     assert got["gpu_util_peak"] > 0 and got["gpu_memory_peak"] > 8192 * 8192 * 4, got
+
+
+def reported_run(tmp_path: Path) -> tuple[dict[str, str], Path]:
+    """Job 4343 of a site whose runs are in tmp_path: its report.json as `run` wrote it before the trials'
+    metrics were known, and what trials reported (trials.json and the curves, hand-written in the shape
+    prefect/metrics.py writes): two ran to the end, two were pruned. The environment that finds the site."""
+    from hpc_garage.rundir import RunDir
+
+    sites = tmp_path / "sites"
+    sites.mkdir()
+    (sites / "metrics-lab.yaml").write_text(f"scheduler: slurm\nnode: {{cores: 4, memory: 8GiB}}\n"
+                                            f"run_directory: {tmp_path / 'runs'}\n")
+    rundir = RunDir(tmp_path / "runs" / "4343")
+    rundir.metrics_dir.mkdir(parents=True)
+    rundir.write_submit_record({"job_id": "4343", "scheduler": "slurm", "submitted": time.time(), "site": "metrics-lab"})
+    t0, runs = 1000.0, [f"{i}" * 32 for i in range(1, 5)]
+    trials, states, durations = {}, ["done", "done", "pruned", "pruned"], [20.0, 20.0, 5.0, 8.0]
+    for i, (run, state, seconds) in enumerate(zip(runs, states, durations)):
+        steps = 20 if state == "done" else 5 + i
+        losses = [1.0 + i / 4 + 2.0 / (s + 1) for s in range(steps)]
+        rundir.trial_metrics(f"key-{i}").write_text("".join(
+            json.dumps({"step": s, "time": t0 + s, "values": {"loss": v}}) + "\n" for s, v in enumerate(losses)))
+        trials[f"key-{i}"] = {"task": "train", "run": run, "reports": steps, "last_step": steps - 1,
+                              "last": {"loss": losses[-1]}, "best": {"loss": min(losses)}, "state": state}
+    rundir.metrics_summary.write_text(json.dumps({
+        "metric": "loss", "mode": "min", "pruner": "MedianPruner", "trials": trials, "reporting": 4, "pruned": 2,
+        "best": {"trial": "key-0", "value": trials["key-0"]["best"]["loss"], "step": 19}}))
+    report = build({"started": t0, "ended": t0 + 30, "flow_runs": [],
+                    "workers": [{"name": f"w{g}", "gpus": 1.0, "gpu_ids": [str(g)], "nthreads": 1,
+                                 "memory_limit": 2**32, "memory_peak": 2**30, "joined": t0, "left": t0 + 30}
+                                for g in range(2)],
+                    "trials": [{"key": f"train-{run}", "worker": f"w{i % 2}", "start": t0 + (i // 2) * 20,
+                                "stop": t0 + (i // 2) * 20 + seconds, "failed": False, "asked_gpu": True}
+                               for i, (run, seconds) in enumerate(zip(runs, durations))]})
+    rundir.report_file.write_text(json.dumps(report))
+    return {**outside_job_env(), "HPC_GARAGE_SITES_PATH": str(sites)}, rundir.path
+
+
+def test_report_counts_pruned_trials_estimates_the_saving_and_plots_the_curves(tmp_path: Path) -> None:
+    """`report JOB`: the five lines, then the best trial, the pruned ones, the GPU-seconds saved (an estimate,
+    said so); --json has it under "metrics"; --plot adds the curves below the timeline; a trials.json gone
+    bad leaves the report as it was."""
+    env, run_dir = reported_run(tmp_path)
+
+    def report(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([PY, "-m", "hpc_garage", "report", "4343", "--site", "metrics-lab", *args],
+                              capture_output=True, text=True, env=env, timeout=120)
+
+    shown = report()
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    assert len(lines) == 7 and lines[0].startswith("4 trials (4 done, 0 failed) on 2 workers with 2 GPUs"), lines
+    assert lines[5] == ("trial metrics: 4 trials reported; best loss 1.1 (trial key-0 step 19); 2 ran to the end, "
+                        "2 pruned (MedianPruner)")
+    # (20 - 5) + (20 - 8), one GPU each
+    assert lines[6].startswith("pruning saved about 27.0 GPU-s (an estimate: for each of the 2 pruned trials"), lines
+    data = json.loads(report("--json").stdout)
+    assert data["metrics"]["saved"]["seconds"] == 27.0 and data["metrics"]["pruned"] == 2
+    png, plain = tmp_path / "curves.png", tmp_path / "timeline.png"
+    drawn = report("--plot", str(png))
+    assert drawn.returncode == 0 and drawn.stdout.splitlines()[-1] == f"timeline: {png}", drawn.stdout + drawn.stderr
+    plot(data | {"metrics": None}, plain)
+    assert png.read_bytes().startswith(b"\x89PNG") and _png_height(png) > _png_height(plain) + 300  # a second panel
+    (run_dir / "metrics" / "trials.json").write_text('{"trials": {"key-0": ')  # mid-write, or broken
+    again = report()
+    assert again.returncode == 0 and again.stdout.splitlines() == lines[:5], again.stdout + again.stderr
+
+
+def _png_height(path: Path) -> int:
+    return int.from_bytes(path.read_bytes()[20:24], "big")  # the IHDR chunk: width, then height

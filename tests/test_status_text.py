@@ -62,3 +62,29 @@ def test_sweep_and_lost_node_lines_are_absent_without_data() -> None:
     sweep = {"name": "lr", "epoch": 1, "results": 14, "jobs": [{"job_id": "93", "how": "submit"},
                                                               {"job_id": "98", "how": "follow-up"}]}
     assert sweep_line(sweep) == "lr epoch 1: 14 results kept; jobs 93 (submit), 98 (follow-up)"
+
+
+def test_the_best_trial_and_counts_show_only_when_trials_reported(tmp_path: Path) -> None:
+    """`status JOB`'s first and trials lines and `--wait`'s line (the job's summary) carry what the trials
+    reported (progress's "metrics", cluster/trial_metrics.py); nothing where none reported, or it is malformed."""
+    metrics = {"reporting": 3, "pruned": 5, "best": {"trial": "train-3", "task": "train", "metric": "loss",
+                                                      "value": 0.29, "step": 11}}
+    progress = {"done": 3, "running": 1, "failed": 0, "waiting": 4}
+    shown = "best loss 0.29 (trial train-3 step 11), 3 reporting, 5 pruned"
+
+    def view(metrics: object) -> JobView:
+        state = {"phase": "running", "progress": {**progress, **({"metrics": metrics} if metrics is not None else {})}}
+        return JobView(job_id="7", record={"job_id": "7"}, run_dir=tmp_path / "7", batch=Slurm(),
+                       status=JobStatus("7", "RUNNING", "running"), state=state)
+
+    lines = job_lines(view(metrics))
+    assert lines[0] == f"job 7 running: 3 done, 1 running, 0 failed, 4 waiting; {shown}"
+    assert f"  trials:         3 done, 1 running, 0 failed, 4 waiting; {shown}" in lines
+    assert view(metrics).summary().endswith(shown)  # what --wait prints
+    long_id = {**metrics, "pruned": 0, "best": {**metrics["best"], "trial": "3f2a9c" + "0" * 26}}
+    assert view(long_id).summary().endswith("best loss 0.29 (trial train-3f2a9c00 step 11), 3 reporting")
+    for nothing in (None, {}, {"reporting": 0, "pruned": 0, "best": None}, "text", {"reporting": "3"}):
+        assert view(nothing).summary() == "running: 3 done, 1 running, 0 failed, 4 waiting", nothing
+    assert view({"reporting": 2, "pruned": 0, "best": None}).summary().endswith("waiting; 2 reporting")
+    ended = {**metrics, "reporting": 0}  # all ended: the best and the pruned still show
+    assert view(ended).summary().endswith("best loss 0.29 (trial train-3 step 11), 0 reporting, 5 pruned")

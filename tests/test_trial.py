@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import json
 import uuid
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -201,3 +202,76 @@ def test_a_follow_up_job_starts_the_interrupted_trials_first(tmp_path: Path) -> 
     (tmp_path / key).write_text("{}")  # it finished since: nothing to put first
     assert not SweepTasks({SWEEP_ENV: "s@1", RESULTS_ENV: str(tmp_path)}).interrupted_first(
         one, {"x": 1})
+
+
+# ------------------------------------------------------------------------------------ trial.report()
+
+
+@pytest.mark.parametrize(("call", "said"), [
+    (lambda: trial.report(-1, loss=1.0), r"^trial\.report\(step=-1\): step must be an int >= 0"),
+    (lambda: trial.report(1.5, loss=1.0), r"^trial\.report\(step=1\.5\): step must be an int >= 0"),
+    (lambda: trial.report(True, loss=1.0), r"^trial\.report\(step=True\): step must be an int >= 0"),
+    (lambda: trial.report(3), r"^trial\.report\(3\) reports no value; name each one"),
+    (lambda: trial.report(3, loss=float("nan")), r"^trial\.report\(3, loss=nan\): loss must be a finite real number$"),
+    (lambda: trial.report(3, loss=float("inf")), r"^trial\.report\(3, loss=inf\): loss must be a finite real number$"),
+    (lambda: trial.report(3, loss="0.5"), r"^trial\.report\(3, loss='0\.5'\): loss must be a finite real number$"),
+    (lambda: trial.report(3, acc=0.5, loss=[1.0]), r"^trial\.report\(3, loss=\[1\.0\]\): loss must be a finite"),
+])
+def test_a_bad_report_is_a_value_error_naming_it(call: Any, said: str) -> None:
+    with pytest.raises(ValueError, match=said):
+        call()
+
+
+def test_outside_a_worker_a_report_checks_and_does_nothing_more() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, time; from hpc_garage import trial; import numpy\n"
+            "trial.report(0, loss=numpy.float32(0.5), n=3)\n"
+            "t = time.perf_counter()\n"
+            "for i in range(10000): trial.report(i, loss=0.5)\n"
+            "print((time.perf_counter() - t) / 10000 * 1e6, 'distributed' in sys.modules, 'prefect' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    cost, distributed, prefect = done.stdout.split()
+    assert (distributed, prefect) == ("False", "False"), done.stderr  # nothing heavy imported for it
+    assert float(cost) < 50  # µs per call: a few in fact
+
+
+_CURRENT: dict[str, Any] = {}  # the task run the worker's thread "runs" (Prefect's context, faked)
+
+
+def _trial_body(run_id: uuid.UUID) -> None:
+    """Three reports inside a (faked) Prefect task run, one outside any."""
+    _CURRENT["ctx"] = SimpleNamespace(task_run=SimpleNamespace(id=run_id), task=SimpleNamespace(name="train"))
+    for step in range(3):
+        trial.report(step, loss=1.0 / (step + 1))
+    _CURRENT.pop("ctx")
+    trial.report(9, loss=0.0)  # a plain Dask task: no trial, nothing sent
+
+
+@pytest.mark.slow
+def test_a_report_in_a_worker_reaches_a_subscribed_client(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The channel itself: the worker logs an event, the scheduler forwards it to the subscribed client; the
+    trial is named by its sweep-cache key where the worker knows it, else by its task run id."""
+    import queue
+
+    from distributed import Client, LocalCluster
+    from prefect.context import TaskRunContext
+
+    keyed, plain = uuid.uuid4(), uuid.uuid4()
+    stopping.note_trial(keyed.hex, "KEY-1", "train")
+    monkeypatch.setattr(TaskRunContext, "get", classmethod(lambda cls: _CURRENT.get("ctx")))
+
+    got: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        client.subscribe_topic(trial.REPORT_TOPIC, lambda event: [got.put(m) for m in event[1]["reports"]])
+        client.submit(_trial_body, keyed, pure=False).result()
+        client.submit(_trial_body, plain, pure=False).result()
+        worker = next(iter(cluster.workers.values())).address
+        msgs = [got.get(timeout=10) for _ in range(6)]
+        time.sleep(0.5)
+        assert got.empty()
+    assert [(m["trial"], m["run"], m["task"], m["step"], m["values"], m["worker"]) for m in msgs[:3]] == [
+        ("KEY-1", keyed.hex, "train", s, {"loss": 1.0 / (s + 1)}, worker) for s in range(3)]
+    assert [m["trial"] for m in msgs[3:]] == [plain.hex] * 3 and all(abs(m["time"] - time.time()) < 60 for m in msgs)

@@ -191,15 +191,18 @@ def logs(job_id: str, follow: bool, site_name: str | None) -> None:
 @click.argument("job_id")
 @click.option("--site", "site_name", help="Where to look for the job's run directory.")
 @click.option("--json", "as_json", is_flag=True, help="Print report.json as it is.")
-@click.option("--plot", "plot_file", type=click.Path(dir_okay=False), help="Write a per-GPU timeline PNG (needs the plot extra).")
+@click.option("--plot", "plot_file", type=click.Path(dir_okay=False),
+              help="Write a per-GPU timeline PNG, with each reporting trial's curve below it (needs the plot extra).")
 def report(job_id: str, site_name: str | None, as_json: bool, plot_file: str | None) -> None:
-    """Print the efficiency report of a job that ended: GPUs and workers allocated, busy and idle, memory, trials."""
-    from hpc_garage.cluster.report import load, plot, summary
+    """Print the efficiency report of a job that ended: GPUs and workers allocated, busy and idle, memory, trials;
+    where trials reported metrics, the best trial, those pruned and the GPU-seconds pruning saved (an estimate)."""
+    from hpc_garage.cluster.report import load, plot, summary, trial_curves
     from hpc_garage.schedulers import submission
 
-    data = load(submission.find(job_id, site_name), job_id)
+    view = submission.find(job_id, site_name)
+    data = load(view, job_id)
     if plot_file:
-        plot(data, plot_file)
+        plot(data, plot_file, trial_curves(view, data))
     if as_json:
         click.echo(json.dumps(data, indent=2))
         return

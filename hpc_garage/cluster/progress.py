@@ -15,7 +15,10 @@ At the end, `finish()` turns the record into the efficiency report (cluster/repo
 its worker's sampler timed it (Dask's startstops where no sampler spoke); then `attach_gpu_figures` gives
 each Prefect trial whose worker read its GPUs one table artifact (key ARTIFACT_KEY) on its task run and flow
 run, through the same API with hpc-garage's plain HTTP client (hpc_garage/prefect_api.py: this layer does not
-import Prefect), within ATTACH_SECONDS in all.
+import Prefect), and `attach_trial_metrics` each trial that reported (`trial.report`) its last and best values
+on its task run and the sweep's counts on its flow run, all within ATTACH_SECONDS. What the trials reported
+(the run directory's trials.json, cluster/trial_metrics.py) is in the progress too ("metrics": reporting,
+pruned, the best trial), read only when the file changed, and in the report.
 """
 
 from __future__ import annotations
@@ -30,10 +33,13 @@ import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
+from hpc_garage.cluster.report import TASK_RUN_ID
+from hpc_garage.cluster.trial_metrics import Watch
 from hpc_garage.launchers.gpu_sampler import NAME as SAMPLER_NAME, TOPIC, TrialSampler
 from hpc_garage.prefect_api import PrefectApi
 from hpc_garage.variables import PREFECT_SERVER_ENV
@@ -43,14 +49,15 @@ if TYPE_CHECKING:
 
     from hpc_garage.rundir import RunDir
 
-__all__ = ["ARTIFACT_KEY", "NAME", "PROGRESS_SECONDS", "RunProgress", "attach_gpu_figures", "install",
-           "prefect_ui_url"]
+__all__ = ["ARTIFACT_KEY", "NAME", "PROGRESS_SECONDS", "SWEEP_METRICS_KEY", "TRIAL_METRICS_KEY", "RunProgress",
+           "attach_gpu_figures", "attach_trial_metrics", "install", "prefect_ui_url"]
 
 NAME = "hpc-garage-progress"
 PROGRESS_SECONDS = 2.0
 TICK_SECONDS = 1.0  # memory peaks are read this often (the workers' heartbeats update them)
-TASK_RUN_ID = re.compile(r"-([0-9a-f]{32})$")
 ARTIFACT_KEY = "hpc-garage-trial-gpu"  # Prefect's artifact keys: lowercase letters, digits and dashes
+TRIAL_METRICS_KEY = "hpc-garage-trial-metrics"  # a reporting trial's last and best values, on its task run
+SWEEP_METRICS_KEY = "hpc-garage-sweep-metrics"  # the run's trials: done, pruned, best, saved; on its flow run
 ATTACH_SECONDS = 10.0  # all the artifacts of a run's end together; what is left unattached is counted
 ATTACH_CALL_SECONDS = 3.0  # one call to the API
 ATTACH_THREADS = 4
@@ -85,12 +92,14 @@ def _interrupted(ts: Any) -> bool:
 
 
 async def install(scheduler: Scheduler, write: Callable[[dict[str, Any]], None], *, vendor: str = "nvidia",
-                  api: Mapping[str, str] | None = None, noted: Callable[[], list[str]] | None = None) -> RunProgress:
+                  api: Mapping[str, str] | None = None, noted: Callable[[], list[str]] | None = None,
+                  metrics: Path | None = None) -> RunProgress:
     """Progress on this scheduler, and the GPU sampler on every worker that joins it (before they start).
-    `noted`: the flow runs COMMAND's task runners noted (cluster/handoff.py), known before any trial ends."""
+    `noted`: the flow runs COMMAND's task runners noted (cluster/handoff.py), known before any trial ends;
+    `metrics`: the run directory's trials.json (RunDir.metrics_summary), what the trials reported."""
     from distributed.protocol.pickle import dumps
 
-    plugin = RunProgress(write, api=api, noted=noted)
+    plugin = RunProgress(write, api=api, noted=noted, metrics=metrics)
     scheduler.add_plugin(plugin, name=NAME)
     plugin.attach(scheduler)
     await scheduler.register_worker_plugin(None, dumps(TrialSampler(vendor)), name=SAMPLER_NAME, idempotent=True)
@@ -103,8 +112,9 @@ class RunProgress(SchedulerPlugin):
     name = NAME
 
     def __init__(self, write: Callable[[dict[str, Any]], None], *, api: Mapping[str, str] | None = None,
-                 noted: Callable[[], list[str]] | None = None) -> None:
+                 noted: Callable[[], list[str]] | None = None, metrics: Path | None = None) -> None:
         self.write = write
+        self.metrics = Watch(metrics) if metrics is not None else None  # trials.json, read when it changed
         self.api = dict(api or {})
         self.noted = noted or list
         self.scheduler: Any = None
@@ -218,6 +228,8 @@ class RunProgress(SchedulerPlugin):
             "elapsed": round(now - self.started, 1), "eta": eta, "updated": now,
             "dashboard": self._dashboard(),
         }
+        if self.metrics is not None and (reported := self.metrics()):
+            figures["metrics"] = reported
         if url := self.api.get("PREFECT_API_URL"):
             figures["prefect"] = {"api": url, "ui": self.ui, "flow_runs": [
                 {"id": run, "url": prefect_ui_url(url, run, self.api.get("PREFECT_UI_URL"))}
@@ -269,7 +281,7 @@ class RunProgress(SchedulerPlugin):
 
     def finish(self, rundir: RunDir) -> list[str]:
         """COMMAND ended: the last progress, then report.json in the run directory; its summary lines."""
-        from hpc_garage.cluster.report import build, summary
+        from hpc_garage.cluster.report import build, summary, with_metrics
         from hpc_garage.files import write_json
 
         if (tick := self.scheduler.periodic_callbacks.pop(NAME, None)) is not None:
@@ -278,16 +290,22 @@ class RunProgress(SchedulerPlugin):
             self._read_memory()
             self.known_flow_runs()
             self.write(self.figures())
-            report = build(self.record())
+            report = with_metrics(build(self.record()), rundir)  # and what the trials reported
             write_json(rundir.report_file, report)
         except Exception as exc:  # noqa: BLE001 - the report must never turn a finished run into a failed one
             return [f"not written ({type(exc).__name__}: {exc})"]
         lines = [*summary(report), f"written to {rundir.report_file} (`hpc-garage report JOB` shows it again)"]
+        started = time.monotonic()  # both kinds of artifacts within ATTACH_SECONDS
         try:
             attached = attach_gpu_figures(report, self.api)
         except Exception as exc:  # noqa: BLE001 - bookkeeping in Prefect: never fails the run
             attached = f"GPU figures not attached to Prefect's task runs ({type(exc).__name__}: {exc})"
-        return [*lines, attached] if attached else lines
+        left = max(ATTACH_SECONDS - (time.monotonic() - started), 0.1)  # spent: the lookup says it did not answer
+        try:
+            reported = attach_trial_metrics(report, self.api, budget=left)
+        except Exception as exc:  # noqa: BLE001 - bookkeeping in Prefect: never fails the run
+            reported = f"trial metrics not attached to Prefect's task runs ({type(exc).__name__}: {exc})"
+        return [*lines, *(line for line in (attached, reported) if line)]
 
     def record(self, ended: float | None = None) -> dict[str, Any]:
         """Everything the report is computed from, as plain JSON types (cluster/report.py)."""
@@ -325,19 +343,14 @@ def attach_gpu_figures(report: dict[str, Any], api: Mapping[str, str], *, budget
         return None
     client = PrefectApi.from_env(api, timeout=call_timeout, budget=budget)
     assert client is not None and client.deadline is not None  # an API (checked above), and a budget
-    call = client.post
-
-    flow_runs: dict[str, str] = {}
     ids = list(trials)
     try:
-        for at in range(0, len(ids), 200):
-            for run in call("/task_runs/filter", {"task_runs": {"id": {"any_": ids[at:at + 200]}}, "limit": 200}):
-                flow_runs[str(run["id"])] = str(run.get("flow_run_id") or "")
+        flow_runs = _flow_runs_of(client, ids)
     except (OSError, ValueError, TypeError, KeyError) as exc:
         return (f"GPU figures of {len(trials)} trials not attached to Prefect's task runs: the API at {url} did "
                 f"not answer ({exc}); they are in report.json")
 
-    def attach(task_run: str) -> None:
+    def artifact(task_run: str) -> dict[str, Any]:
         trial = trials[task_run]
         row = {"worker": trial["worker"], "gpus": ",".join(map(str, trial["gpus"])), "duration_s": trial["duration_s"],
                **{k: trial[k] for k in GPU_FIGURES if k in trial}}
@@ -345,16 +358,11 @@ def attach_gpu_figures(report: dict[str, Any], api: Mapping[str, str], *, budget
                        f"{row['gpus']} (hpc-garage): utilisation mean {trial['gpu_util_mean']:.0f} %, peak "
                        f"{trial.get('gpu_util_peak', 0):.0f} %, device memory peak "
                        f"{_size(trial.get('gpu_memory_peak', 0))}, over {trial['duration_s']:.2f} s")
-        call("/artifacts/", {"key": ARTIFACT_KEY, "type": "table", "description": description,
-                             "data": json.dumps([row]), "task_run_id": task_run,
-                             "flow_run_id": flow_runs[task_run] or None})
+        return {"key": ARTIFACT_KEY, "type": "table", "description": description, "data": json.dumps([row]),
+                "task_run_id": task_run, "flow_run_id": flow_runs[task_run] or None}
 
     known = [task_run for task_run in ids if task_run in flow_runs]  # in the API: a plain Dask key is not
-    pool = ThreadPoolExecutor(ATTACH_THREADS, thread_name_prefix=ARTIFACT_KEY)
-    futures = [pool.submit(attach, task_run) for task_run in known]
-    wait(futures, timeout=max(client.deadline - time.monotonic(), 0))
-    pool.shutdown(wait=False, cancel_futures=True)
-    attached = sum(1 for f in futures if f.done() and not f.cancelled() and f.exception() is None)
+    attached = _post_all(client, [artifact(task_run) for task_run in known], ARTIFACT_KEY)
     line = f"GPU figures attached to {attached} Prefect task runs as artifacts (key {ARTIFACT_KEY})"
     missed = []
     if len(trials) > len(known):
@@ -362,6 +370,82 @@ def attach_gpu_figures(report: dict[str, Any], api: Mapping[str, str], *, budget
     if len(known) > attached:
         missed.append(f"{len(known) - attached} not attached within {budget:g} s or refused")
     return f"{line}; {', '.join(missed)}" if missed else line
+
+
+def attach_trial_metrics(report: dict[str, Any], api: Mapping[str, str], *, budget: float = ATTACH_SECONDS,
+                         call_timeout: float = ATTACH_CALL_SECONDS) -> str | None:
+    """What the trials reported (report.json's "metrics", cluster/trial_metrics.py) as table artifacts: on
+    each reporting Prefect trial's task run (key TRIAL_METRICS_KEY: last and best of each metric, its state and
+    steps) and on their flow runs (key SWEEP_METRICS_KEY: done, pruned, the best trial, what pruning saved); the
+    line that says how many, or None where no trial reported or there is no API (then nothing is asked). As
+    `attach_gpu_figures`: one `/task_runs/filter` per 200 trials, then the artifacts, within `budget` in all."""
+    from hpc_garage.cluster.trial_metrics import lines
+
+    metrics = report.get("metrics") or {}
+    url = api.get("PREFECT_API_URL")
+    trials = {str(uuid.UUID(hex=t["run"])): t for t in metrics.get("trials", [])
+              if isinstance(t.get("run"), str) and re.fullmatch(r"[0-9a-f]{32}", t["run"])}
+    if not url or not trials:
+        return None
+    client = PrefectApi.from_env(api, timeout=call_timeout, budget=budget)
+    assert client is not None and client.deadline is not None  # an API (checked above), and a budget
+    try:
+        flow_runs = _flow_runs_of(client, list(trials))
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        return (f"trial metrics of {len(trials)} trials not attached to Prefect's task runs: the API at {url} did "
+                f"not answer ({exc}); they are in report.json")
+
+    def trial_artifact(task_run: str) -> dict[str, Any]:
+        t = trials[task_run]
+        rows = [{"metric": name, "last": t["last"].get(name), "best": t["best"].get(name), "state": t["state"],
+                 "reports": t.get("reports"), "last_step": t.get("last_step")}
+                for name in dict.fromkeys([*t["best"], *t["last"]])]
+        description = (f"What trial {t['trial']} reported (hpc-garage, `trial.report`): {t.get('reports')} reports, "
+                       f"the last at step {t.get('last_step')}; {t['state']}"
+                       + (" (stopped early by the pruner)" if t["state"] == "pruned" else ""))
+        return {"key": TRIAL_METRICS_KEY, "type": "table", "description": description, "data": json.dumps(rows),
+                "task_run_id": task_run, "flow_run_id": flow_runs[task_run] or None}
+
+    best, saved = metrics.get("best") or {}, metrics.get("saved") or {}
+    sweep_row = {"reporting": metrics.get("reporting"), "done": metrics.get("done"), "pruned": metrics.get("pruned"),
+                 "did_not_end": metrics.get("running"), "pruner": metrics.get("pruner"), "metric": best.get("metric"),
+                 "best_trial": best.get("trial"), "best_task": best.get("task"), "best_value": best.get("value"),
+                 "best_step": best.get("step"), f"{saved.get('unit', 'GPU-s')} saved (estimate)": saved.get("seconds")}
+    sweep = {"key": SWEEP_METRICS_KEY, "type": "table", "data": json.dumps([sweep_row]),
+             "description": "What the trials of this run reported (hpc-garage): " + "; ".join(lines(metrics))}
+    known = [task_run for task_run in trials if task_run in flow_runs]  # in the API: a plain Dask key is not
+    runs = list(dict.fromkeys(flow_runs[task_run] for task_run in known if flow_runs[task_run]))
+    bodies = [trial_artifact(task_run) for task_run in known] + [sweep | {"flow_run_id": run} for run in runs]
+    attached = _post_all(client, bodies, TRIAL_METRICS_KEY)
+    line = (f"trial metrics attached to {min(attached, len(known))} Prefect task runs as artifacts (key "
+            f"{TRIAL_METRICS_KEY}), the sweep's to their flow run{'s' if len(runs) != 1 else ''} "
+            f"(key {SWEEP_METRICS_KEY})")
+    missed = []
+    if len(trials) > len(known):
+        missed.append(f"{len(trials) - len(known)} trials not in the API")
+    if len(bodies) > attached:
+        missed.append(f"{len(bodies) - attached} artifacts not attached within {budget:g} s or refused")
+    return f"{line}; {', '.join(missed)}" if missed else line
+
+
+def _flow_runs_of(client: PrefectApi, task_runs: list[str]) -> dict[str, str]:
+    """The flow run of each task run the API knows ("" where it has none), 200 a call."""
+    flow_runs: dict[str, str] = {}
+    for at in range(0, len(task_runs), 200):
+        for run in client.post("/task_runs/filter", {"task_runs": {"id": {"any_": task_runs[at:at + 200]}},
+                                                     "limit": 200}):
+            flow_runs[str(run["id"])] = str(run.get("flow_run_id") or "")
+    return flow_runs
+
+
+def _post_all(client: PrefectApi, artifacts: list[dict[str, Any]], name: str) -> int:
+    """POST each artifact, a few at a time, until the client's deadline; how many the API took."""
+    assert client.deadline is not None
+    pool = ThreadPoolExecutor(ATTACH_THREADS, thread_name_prefix=name)
+    futures = [pool.submit(client.post, "/artifacts/", body) for body in artifacts]
+    wait(futures, timeout=max(client.deadline - time.monotonic(), 0))
+    pool.shutdown(wait=False, cancel_futures=True)
+    return sum(1 for f in futures if f.done() and not f.cancelled() and f.exception() is None)
 
 
 def prefect_ui_url(api_url: str, flow_run: str, ui_url: str | None = None) -> str:

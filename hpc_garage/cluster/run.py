@@ -228,7 +228,8 @@ async def _start_scheduler(run: _Run) -> None:
     await run.scheduler
     run.progress = await install_progress(run.scheduler, lambda figures: run.state.note(progress=figures),
                                           vendor=run.site.node.gpu_vendor, api=run.api_env,  # trials, GPUs,
-                                          noted=run.rundir.flow_runs)  # links; the report
+                                          noted=run.rundir.flow_runs,  # links; the report
+                                          metrics=run.rundir.metrics_summary)  # what the trials reported
     os.chmod(run.rundir.dask_scheduler_file, 0o600)  # Dask writes it 0644; it names the cluster's address
 
 

@@ -7,7 +7,7 @@ sweep cache (prefect/sweep_cache.py notes each trial's result key as Prefect com
 the wind-down keys its record of interruptions by it, across jobs.
 
 A reason is kept per trial (`None`: every trial of this process), so that another stop reason for one trial
-(a pruner's "pruned") can be added beside the job's own.
+(a pruner's "pruned": prefect/metrics.py sends it to that trial's worker) can be added beside the job's own.
 """
 
 from __future__ import annotations
@@ -21,12 +21,13 @@ from typing import Any
 
 from hpc_garage.core.sweep import CHECKPOINTS_DIR, TRIALS_DIR
 
-__all__ = ["CHECKPOINTS_DIR", "TRIALS_DIR", "any_stop", "note_trial", "on_stop", "reason", "stop", "stop_trials",
-           "trial"]
+__all__ = ["CHECKPOINTS_DIR", "REPORT_TOPIC", "TRIALS_DIR", "any_stop", "note_trial", "on_stop", "reason", "stop",
+           "stop_trials", "trial"]
 
 logger = logging.getLogger(__name__)
 
 KEEP = 4096  # trials remembered per process: far more than run at once on one worker
+REPORT_TOPIC = "hpc-garage-report"  # the Dask event topic of trial.report(); the flow's process subscribes to it
 
 _stopping = threading.Event()  # set once any stop reason is known here: the cheap test
 _reasons: dict[str | None, str] = {}  # trial (task run id hex) or None (every trial) -> why it should stop

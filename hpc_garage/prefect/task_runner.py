@@ -9,6 +9,9 @@
   `prefect_test_harness()`'s included, else hpc-garage's server); without that, each worker process starts
   its own temporary server on one SQLite file.
 
+`task_runner(pruner=..., metric=..., mode=...)` names a pruner for the trials' `hpc_garage.trial.report()`s;
+with a run directory (under `hpc-garage run`) the reports are kept there with or without one (metrics.py).
+
 A task may submit tasks (the runner's copy on the worker connects with that worker's credentials), and
 prefect-dask's `cluster_kwargs` for its LocalCluster are honoured on the local cluster where they make sense
 (`processes`, `dashboard_address`) and refused in one line where they do not (`n_workers`, ...).
@@ -42,6 +45,8 @@ from hpc_garage import log
 from hpc_garage.compat import dask_futures, runner_has_cluster, runner_started
 from hpc_garage.prefect import fast as prefect_fast
 from hpc_garage.prefect import outage
+from hpc_garage.prefect.metrics import TrialMetrics
+from hpc_garage.pruning import check_settings
 from hpc_garage.core.errors import UserError
 from hpc_garage.cluster.handoff import handoff_from_env
 from hpc_garage.rundir import note_flow_run
@@ -61,8 +66,10 @@ def task_runner(*, site: str | Site | None = None, **kwargs: Any) -> HpcTaskRunn
     """The runner for wherever this flow runs; keyword arguments go to DaskTaskRunner.
 
     It is built when the flow is decorated, before the flow's first API call: the only moment at which
-    the flow process can still be pointed at the shared Prefect API.
+    the flow process can still be pointed at the shared Prefect API. `pruner=`, `metric=` and `mode=` are
+    checked then too (pruning.py), before any API or cluster is started.
     """
+    check_settings(kwargs.get("pruner"), kwargs.get("metric"), kwargs.get("mode", "min"))
     if kwargs.get("address") or kwargs.get("cluster") or kwargs.get("cluster_class"):
         settle_api()  # the caller chose the cluster; the API is still ours to settle
         return HpcTaskRunner(**kwargs)
@@ -134,8 +141,13 @@ class HpcTaskRunner(DaskTaskRunner):
 
     RECORD_TIMEOUT = 120.0  # s the flow waits at its end for Prefect's API to record its finished tasks
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, pruner: Any = None, metric: str | None = None, mode: str = "min",
+                 **kwargs: Any) -> None:
+        check_settings(pruner, metric, mode)
         super().__init__(*args, **kwargs)
+        self.pruner, self.metric, self.mode = pruner, metric, mode  # the trials' reports (prefect/metrics.py)
+        self._metrics: TrialMetrics | None = None  # started at the first submission, in the flow's process only
+        self._metrics_asked = False
         self._placeable: set[frozenset[tuple[str, float]]] = set()  # resource sets some worker offers
         self._submitter: Any = None  # prefect_fast.Submitter, or False once the plain path was chosen
         self._finished: list[Any] = []  # ids of task runs whose dask future is done
@@ -155,8 +167,17 @@ class HpcTaskRunner(DaskTaskRunner):
         super().__enter__()
         return self
 
+    def duplicate(self) -> HpcTaskRunner:
+        """Prefect enters a duplicate of the flow's runner for each flow run: it keeps the pruner settings."""
+        copy = super().duplicate()
+        copy.pruner, copy.metric = getattr(self, "pruner", None), getattr(self, "metric", None)
+        copy.mode = getattr(self, "mode", "min")
+        return copy
+
     def __exit__(self, *exc: Any) -> None:
         try:
+            if self._metrics is not None:
+                self._metrics.close()  # the last reports and the trials' ends, written while the client lives
             if self._finished and outage.api_down():  # bookkeeping only: the work is done (outage.py)
                 outage.report_at_flow_end(self._finished, self._sweep_tasks.storage and str(self._sweep_tasks.storage),
                                           self.client)
@@ -171,6 +192,12 @@ class HpcTaskRunner(DaskTaskRunner):
             self._flow_run_noted = True
             if (context := FlowRunContext.get()) is not None and context.flow_run is not None:
                 note_flow_run(str(context.flow_run.id))
+        if not self._metrics_asked:  # reports can only come from tasks submitted from here on
+            self._metrics_asked = True
+            if _running_worker_security() is None:  # the flow's process (a task's copy on a worker: not)
+                self._metrics = TrialMetrics.for_runner(self.pruner, self.metric, self.mode)
+                if self._metrics is not None:
+                    self._metrics.start(self.client)
         task = self._sweep_tasks(task)
         resources = self._resources(task)
         with dask.annotate(resources=resources) if resources else contextlib.nullcontext():
@@ -198,8 +225,11 @@ class HpcTaskRunner(DaskTaskRunner):
             # assets) through the task_run_id of the dask futures among its arguments
             dask_future.task_run_id = call.task_run_id
             future = PrefectDaskFuture(wrapped_future=dask_future, task_run_id=call.task_run_id)
-        run_id, finished = future.task_run_id, self._finished  # not self: no cycle through the dask client
+        run_id, finished, metrics = future.task_run_id, self._finished, self._metrics  # not self: no cycle
         future.wrapped_future.add_done_callback(lambda f: f.status == "finished" and finished.append(run_id))
+        if metrics is not None:  # the trial's end: its state in trials.json, its last value to the pruner
+            hex_id = run_id.hex if hasattr(run_id, "hex") else str(run_id)
+            future.wrapped_future.add_done_callback(lambda f: metrics.ended(hex_id, f))
         return future
 
     def _fast_call(self, task: Any, parameters: dict[str, Any], wait_for: Any, dependencies: Any) -> Any:

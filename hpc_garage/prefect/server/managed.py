@@ -10,6 +10,7 @@ HTTP client (hpc_garage/prefect_api.py), which never sends them through a proxy.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import secrets
@@ -31,6 +32,8 @@ from hpc_garage.prefect.server.state import (IDLE_DEFAULT, LOOPBACK, QUIET, Serv
 from hpc_garage.prefect.server.ui import ui_base, ui_settings, ui_status
 from hpc_garage.prefect_api import no_proxy_for
 from hpc_garage.variables import PREFECT_DATABASE, PREFECT_SERVER_IDLE, PREFECT_UI, seconds, switch
+
+logger = logging.getLogger(__name__)
 
 # A sweep reports hundreds of task runs a second. Prefect's defaults record them one message at a time
 # (about 40 ms of server CPU per task here); batches of up to 100, flushed every second, cost about half.
@@ -144,7 +147,31 @@ def auth_string(host: str = LOOPBACK, machine: str | None = None) -> str:
 
 def _start(directory: Path, host: str, timeout: float, idle: float, database: Database, *,
            ui: bool = True) -> ServerState:
-    port = _free_port(host)
+    """Start the keeper on a free port; again on another port when one was taken between our choice and the
+    server's bind (another process on a busy login node), at most PORT_TRIES ports."""
+    tried: set[int] = set()
+    while True:
+        port = _free_port(host)
+        try:
+            return _start_on(port, directory, host, timeout, idle, database, ui=ui)
+        except _PortTaken as taken:
+            tried.add(port)
+            if len(tried) >= PORT_TRIES or _free_port(host) in tried:  # the same port again: no race, refuse
+                raise taken.error from None
+            logger.info("port %s of %s was taken as the Prefect server started: trying another", port, host)
+
+
+PORT_TRIES = 3
+
+
+class _PortTaken(Exception):
+    def __init__(self, error: UserError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _start_on(port: int, directory: Path, host: str, timeout: float, idle: float, database: Database, *,
+              ui: bool) -> ServerState:
     auth = f"hpc-garage:{secrets.token_urlsafe(24)}"
     ui_url = ui_base(f"http://{url_host(host)}:{port}", os.environ) if ui else ""
     env = {**BATCHING, **os.environ, **QUIET,
@@ -169,9 +196,12 @@ def _start(directory: Path, host: str, timeout: float, idle: float, database: Da
             terminate(state)
             why = f"exited with code {code}" if code is not None else f"did not answer within {timeout:.0f} s"
             reason = _reason(log)
-            raise UserError(f"the Prefect server hpc-garage started (prefect server start --host {host} --port "
-                            f"{port}, database {database.label()}) {why}{f': {reason}' if reason else ''}; "
-                            f"last lines of {log}: {_tail(log)} (or set PREFECT_API_URL to a server you run)")
+            error = UserError(f"the Prefect server hpc-garage started (prefect server start --host {host} --port "
+                              f"{port}, database {database.label()}) {why}{f': {reason}' if reason else ''}; "
+                              f"last lines of {log}: {_tail(log)} (or set PREFECT_API_URL to a server you run)")
+            if code is not None and "already in use" in _tail(log, 40):
+                raise _PortTaken(error)
+            raise error
         time.sleep(0.2)
     write_private(directory / "server.json", json.dumps(asdict(state), indent=2))
     return state

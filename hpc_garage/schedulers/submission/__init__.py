@@ -6,12 +6,13 @@ the batch system and `state.json`, in a few words), and followed (`following.py`
 terminal shows a job is the CLI's (`cli/status_text.py`); here is the data.
 """
 
-from hpc_garage.schedulers.submission.finding import (JobView, check_job_id, find, lookup, progress_text, records,
-                                                      refresh, results_roots, run_dir_of, run_root, run_roots,
-                                                      status_all, sweep_text)
+from hpc_garage.schedulers.submission.finding import (JobView, check_job_id, find, lookup, metrics_text,
+                                                      progress_text, records, refresh, results_roots, run_dir_of,
+                                                      run_root, run_roots, status_all, sweep_text, trial_label)
 from hpc_garage.schedulers.submission.following import SWEEP_SECONDS, cancel, log_files, logs, next_job_of, wait
 from hpc_garage.schedulers.submission.submitting import Prepared, Submitted, prepare, resubmit, resume, submit
 
 __all__ = ["SWEEP_SECONDS", "JobView", "Prepared", "Submitted", "cancel", "check_job_id", "find", "log_files", "logs",
-           "lookup", "next_job_of", "prepare", "progress_text", "records", "refresh", "resubmit", "results_roots",
-           "resume", "run_dir_of", "run_root", "run_roots", "status_all", "submit", "sweep_text", "wait"]
+           "lookup", "metrics_text", "next_job_of", "prepare", "progress_text", "records", "refresh", "resubmit",
+           "results_roots", "resume", "run_dir_of", "run_root", "run_roots", "status_all", "submit", "sweep_text",
+           "trial_label", "wait"]

@@ -143,7 +143,38 @@ def progress_text(progress: dict[str, Any]) -> str:
     if elapsed is not None:
         eta = progress.get("eta")
         parts.append(_duration(elapsed) + (f", ETA {_duration(eta)}" if eta is not None else ""))
+    if text := metrics_text(progress.get("metrics")):
+        parts.append(text)
     return "; ".join(parts)
+
+
+def metrics_text(metrics: Any) -> str | None:
+    """`best loss 0.29 (trial train-3 step 11), 3 reporting, 5 pruned` (progress's "metrics", from what the
+    trials reported: cluster/trial_metrics.py; reporting: those running now); None where no trial reported, or
+    the figures are not that shape."""
+    if not isinstance(metrics, dict) or not isinstance(metrics.get("reporting"), int):
+        return None
+    best = metrics.get("best")
+    best = best if isinstance(best, dict) and isinstance(best.get("value"), (int, float)) else None
+    if not metrics["reporting"] and not metrics.get("pruned") and best is None:
+        return None
+    parts = []
+    if best is not None:
+        step = f" step {best['step']}" if best.get("step") is not None else ""
+        parts.append(f"best {best.get('metric') or 'value'} {best['value']:.4g} "
+                     f"(trial {trial_label(str(best.get('trial')), best.get('task'))}{step})")
+    parts.append(f"{metrics['reporting']} reporting")
+    if isinstance(metrics.get("pruned"), int) and metrics["pruned"]:
+        parts.append(f"{metrics['pruned']} pruned")
+    return ", ".join(parts)
+
+
+def trial_label(trial: str, task: Any = None) -> str:
+    """A trial as a line names it: its id where short, else its task and the id's first 8 characters (a
+    trial's id is its result's key or its task run's id: 32 hex digits)."""
+    if len(trial) <= 16:
+        return trial
+    return f"{task}-{trial[:8]}" if task else trial[:12]
 
 
 def sweep_text(sweep: dict[str, Any] | None) -> str | None:

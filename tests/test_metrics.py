@@ -1,0 +1,217 @@
+"""The flow's side of trial.report() (hpc_garage/prefect/metrics.py): the store written in the run directory,
+the pruner asked, pruned trials stopped on their worker. First without a cluster (the drain's bookkeeping on
+scripted reports), then a real flow on a real Dask cluster with Prefect: eight trials with deterministic
+learning curves under a median pruner."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hpc_garage.prefect.metrics import TrialMetrics
+from hpc_garage.rundir import RunDir
+from hpc_garage.variables import RESULTS_ENV, RUN_DIR_ENV
+
+optuna = pytest.importorskip("optuna")
+
+
+class FakeClient:
+    """What TrialMetrics uses of a Dask client: the topic, and the run op it stops a trial with."""
+
+    def __init__(self) -> None:
+        self.handler: Any = None
+        self.runs: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []
+
+    def subscribe_topic(self, topic: str, handler: Any) -> None:
+        self.handler = handler
+
+    def unsubscribe_topic(self, topic: str) -> None:
+        self.handler = None
+
+    def run(self, function: Any, *args: Any, **kwargs: Any) -> None:
+        self.runs.append((function, args, kwargs))
+
+
+class Done:
+    """A finished task's future, holding Prefect's state of it."""
+
+    status = "finished"
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+    def result(self, timeout: float | None = None) -> Any:
+        from types import SimpleNamespace
+
+        return SimpleNamespace(type=SimpleNamespace(value=self.kind))
+
+
+def msg(trial: str, step: int, **values: float) -> dict[str, Any]:
+    return {"trial": trial, "run": f"run-{trial}", "task": "train", "step": step, "time": 1000.0 + step,
+            "values": values, "worker": "tcp://w1"}
+
+
+def feed(metrics: TrialMetrics, client: FakeClient, *items: Any) -> None:
+    """Reports (dicts) through the client's handler, and task ends (run, kind), then a drained close."""
+    for item in items:
+        if isinstance(item, dict):
+            client.handler((time.time(), {"reports": [item]}))
+        else:
+            metrics.ended(item[0], Done(item[1]))
+
+
+def test_reports_are_stored_per_trial_and_summed_up(tmp_path: Path) -> None:
+    run_dir = RunDir(tmp_path)
+    metrics, client = TrialMetrics(None, "loss", "min", run_dir), FakeClient()
+    metrics.start(client)
+    feed(metrics, client, msg("a", 0, loss=1.0, acc=0.1), msg("a", 1, loss=0.5, acc=0.3), msg("a", 2, loss=0.7),
+         msg("b", 0, loss=0.9), msg("b", 1, loss=0.4), ("run-b", "COMPLETED"), ("run-a", "CRASHED"),
+         ("run-x", "COMPLETED"))  # x never reported: not a trial here
+    metrics.close()
+    assert client.handler is None and not client.runs
+    summary = json.loads(run_dir.metrics_summary.read_text())
+    assert (run_dir.metrics_dir.stat().st_mode & 0o777) == 0o700
+    assert summary["metric"] == "loss" and summary["mode"] == "min" and summary["pruner"] is None
+    a, b = summary["trials"]["a"], summary["trials"]["b"]
+    assert a["last"] == {"loss": 0.7, "acc": 0.3} and a["best"] == {"loss": 0.5, "acc": 0.3}
+    assert (a["reports"], a["last_step"], a["task"], a["run"], a["worker"]) == (3, 2, "train", "run-a", "tcp://w1")
+    assert a["state"] == "interrupted" and b["state"] == "done" and b["ended"] is not None and a["started"] == 1000.0
+    assert summary["best"] == {"trial": "b", "value": 0.4, "step": 1}
+    assert (summary["reporting"], summary["pruned"]) == (0, 0)
+    lines = [json.loads(line) for line in run_dir.trial_metrics("a").read_text().splitlines()]
+    assert lines == [{"step": 0, "time": 1000.0, "values": {"loss": 1.0, "acc": 0.1}},
+                     {"step": 1, "time": 1001.0, "values": {"loss": 0.5, "acc": 0.3}},
+                     {"step": 2, "time": 1002.0, "values": {"loss": 0.7}}]
+
+
+def test_without_a_metric_the_first_reported_one_ranks_lower_first(tmp_path: Path) -> None:
+    metrics, client = TrialMetrics(None, None, "max", RunDir(tmp_path)), FakeClient()
+    metrics.start(client)
+    feed(metrics, client, msg("a", 0, err=3.0, acc=0.9), msg("b", 0, err=2.0, acc=0.1))
+    metrics.close()
+    summary = json.loads(RunDir(tmp_path).metrics_summary.read_text())
+    assert (summary["metric"], summary["mode"], summary["best"]["trial"]) == ("err", "min", "b")
+    assert summary["reporting"] == 2
+
+
+def test_the_pruner_decides_and_the_pruned_trial_is_told_on_its_worker(tmp_path: Path) -> None:
+    from hpc_garage.cluster import stopping
+
+    pruner = optuna.pruners.MedianPruner(n_startup_trials=1, n_warmup_steps=1)
+    metrics, client = TrialMetrics(pruner, "loss", "min", RunDir(tmp_path)), FakeClient()
+    metrics.start(client)
+    feed(metrics, client, *[msg("good", s, loss=1.0 / (s + 1)) for s in range(4)], ("run-good", "COMPLETED"))
+    feed(metrics, client, *[msg("poor", s, loss=5.0 + 1.0 / (s + 1)) for s in range(4)], ("run-poor", "COMPLETED"))
+    metrics.close()
+    assert client.runs == [(stopping.stop, ("pruned",), {"trial": "run-poor", "workers": ["tcp://w1"],
+                                                         "on_error": "ignore"})]
+    summary = json.loads(RunDir(tmp_path).metrics_summary.read_text())
+    assert summary["trials"]["poor"]["state"] == "pruned"  # kept after its task returned
+    assert summary["trials"]["poor"]["reports"] == 4  # reports after the prune are stored, not decided
+    assert (summary["pruner"], summary["pruned"], summary["best"]["trial"]) == ("MedianPruner", 1, "good")
+
+
+def test_a_trial_the_epochs_study_has_as_pruned_is_stopped_at_its_first_report(tmp_path: Path) -> None:
+    from hpc_garage.pruning import TrialPruner, journal_path
+
+    journal = journal_path({RESULTS_ENV: str(tmp_path / "results")})
+    earlier = TrialPruner(optuna.pruners.MedianPruner(n_startup_trials=1, n_warmup_steps=0), "min", journal)
+    earlier.decide("good", 0, 0.1)
+    earlier.finished("good", 0.1)
+    assert earlier.decide("poor", 0, 9.0)
+    metrics, client = TrialMetrics("median", "loss", "min", RunDir(tmp_path / "run"), journal), FakeClient()
+    (tmp_path / "run").mkdir()
+    metrics.start(client)
+    feed(metrics, client, msg("poor", 0, loss=9.0))
+    metrics.close()
+    assert [c[2]["trial"] for c in client.runs] == ["run-poor"]
+    assert json.loads(RunDir(tmp_path / "run").metrics_summary.read_text())["trials"]["poor"]["state"] == "pruned"
+
+
+def test_a_plain_flow_keeps_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(RUN_DIR_ENV, raising=False)
+    assert TrialMetrics.for_runner(None, "loss", "min") is None  # nothing to write, nothing to decide
+    monkeypatch.setenv(RUN_DIR_ENV, "/nonexistent")
+    assert TrialMetrics.for_runner(None, None, "min") is not None
+
+
+def test_the_runner_refuses_a_bad_setting_when_the_flow_is_decorated_and_keeps_good_ones() -> None:
+    from hpc_garage.core.errors import UserError
+    from hpc_garage.prefect.task_runner import HpcTaskRunner, task_runner
+
+    with pytest.raises(UserError, match=r"^task_runner\(pruner='asha'\) needs metric=\.\.\."):
+        task_runner(pruner="asha")  # before any Prefect API or cluster is started
+    with pytest.raises(UserError, match=r"^task_runner\(mode='best'\)"):
+        HpcTaskRunner(address="tcp://127.0.0.1:1", metric="loss", mode="best")
+    runner = HpcTaskRunner(address="tcp://127.0.0.1:1", pruner="hyperband", metric="acc", mode="max")
+    copy = runner.duplicate()  # what Prefect enters for each flow run
+    assert (copy.pruner, copy.metric, copy.mode, copy.address) == ("hyperband", "acc", "max", "tcp://127.0.0.1:1")
+
+
+# ------------------------------------------------------------------------------- a real flow, real Dask
+
+
+STEPS, STEP_SECONDS, WARMUP = 12, 0.1, 3
+FLOORS = {0: 0.1, 1: 0.2, 2: 0.3, 3: 0.05, 4: 2.0, 5: 3.0, 6: 2.5, 7: 0.15}  # 4, 5, 6: poor curves
+
+
+@pytest.mark.slow
+def test_a_median_pruner_stops_the_poor_trials_which_return(api: dict[str, str], cluster: Any, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    import cloudpickle
+    from prefect import flow, task
+    from prefect.futures import wait
+
+    import hpc_garage
+    from hpc_garage import trial
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # worker processes cannot import this file
+    monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path / "run"))
+    monkeypatch.setenv(RESULTS_ENV, str(tmp_path / "results"))
+    (tmp_path / "run").mkdir()
+
+    @task
+    def train(i: int) -> dict[str, Any]:
+        loss, step = 0.0, 0
+        for step in range(STEPS):
+            loss = FLOORS[i] + 1.0 / (step + 1)
+            trial.report(step, loss=loss, lr=0.1 * i)
+            if trial.should_stop():
+                break
+            time.sleep(STEP_SECONDS)
+        return {"i": i, "loss": loss, "step": step, "reason": trial.stop_reason()}
+
+    pruner = optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=WARMUP)
+
+    @flow(task_runner=hpc_garage.task_runner(address=cluster.scheduler_address, pruner=pruner, metric="loss"))
+    def sweep() -> list[dict[str, Any]]:
+        first = [train.submit(i) for i in (0, 1, 2)]  # three good curves finish first: the pruner's reference
+        wait(first)
+        rest = [train.submit(i) for i in (3, 4, 5, 6, 7)]
+        return [f.result() for f in first + rest]
+
+    results = {r["i"]: r for r in sweep()}
+    pruned = {i for i, r in results.items() if r["reason"] == "pruned"}
+    assert pruned == {4, 5, 6}, results
+    assert all(results[i]["step"] < STEPS - 1 for i in pruned)  # they saw should_stop() and returned early
+    assert all(results[i]["step"] == STEPS - 1 and results[i]["reason"] is None for i in (0, 1, 2, 3, 7))
+
+    run_dir = RunDir(tmp_path / "run")
+    summary = json.loads(run_dir.metrics_summary.read_text())
+    by_lr = {round(r["last"]["lr"] / 0.1): (tid, r) for tid, r in summary["trials"].items()}
+    assert sorted(by_lr) == list(range(8))
+    assert {i for i, (_, r) in by_lr.items() if r["state"] == "pruned"} == {4, 5, 6}
+    assert all(r["state"] == "done" and r["ended"] for i, (_, r) in by_lr.items() if i not in (4, 5, 6))
+    assert (summary["pruned"], summary["reporting"], summary["pruner"]) == (3, 0, "MedianPruner")
+    best_id, best = by_lr[3]
+    assert summary["best"] == {"trial": best_id, "value": FLOORS[3] + 1.0 / STEPS, "step": STEPS - 1}
+    assert best["reports"] == STEPS and best["task"] == "train"
+    for i, (tid, record) in by_lr.items():
+        lines = run_dir.trial_metrics(tid).read_text().splitlines()
+        assert len(lines) == record["reports"] == results[i]["step"] + 1
+    assert (tmp_path / "results" / ".pruner.journal").exists()

@@ -1,0 +1,151 @@
+"""The Optuna adapter (hpc_garage/pruning.py) without a cluster: pruner names, the one-line refusals of a bad
+pruner, metric or mode, decisions on scripted learning curves, the epoch's journal read back by a later job,
+and a trial the study has as pruned pruned again at once."""
+
+from __future__ import annotations
+
+import builtins
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+optuna = pytest.importorskip("optuna")
+
+from hpc_garage import pruning  # noqa: E402
+from hpc_garage.core.errors import UserError  # noqa: E402
+from hpc_garage.core.sweep import PRUNER_JOURNAL  # noqa: E402
+from hpc_garage.pruning import TrialPruner, check_settings, journal_path, make_pruner  # noqa: E402
+from hpc_garage.variables import RESULTS_ENV  # noqa: E402
+
+STEPS = 20
+
+
+def curve(floor: float, step: int) -> float:
+    """A learning curve: falls from floor + 1 towards `floor`."""
+    return floor + 1.0 / (step + 1)
+
+
+def run_to_end(p: TrialPruner, trial_id: str, floor: float) -> int | None:
+    """Report every step unless pruned; the step it was pruned at, or None (finished)."""
+    for step in range(STEPS):
+        if p.decide(trial_id, step, curve(floor, step)):
+            return step
+    p.finished(trial_id, curve(floor, STEPS - 1))
+    return None
+
+
+def test_the_names_are_optunas_pruners_with_their_defaults() -> None:
+    assert type(make_pruner("median")) is optuna.pruners.MedianPruner
+    assert type(make_pruner("asha")) is optuna.pruners.SuccessiveHalvingPruner
+    assert type(make_pruner("hyperband")) is optuna.pruners.HyperbandPruner
+    percentile = make_pruner("percentile")
+    assert type(percentile) is optuna.pruners.PercentilePruner and percentile._percentile == 25.0
+    mine = optuna.pruners.MedianPruner(n_startup_trials=1)
+    assert make_pruner(mine) is mine
+    assert set(pruning.PRUNERS) == {"median", "percentile", "asha", "hyperband"}
+
+
+@pytest.mark.parametrize(("pruner", "metric", "mode", "said"), [
+    ("medain", "loss", "min", r"^task_runner\(pruner='medain'\): not a pruner hpc-garage knows; use one of 'median'"),
+    (42, "loss", "min", r"^task_runner\(pruner=42\): not a pruner; use one of"),
+    ("median", None, "min", r"^task_runner\(pruner='median'\) needs metric=\.\.\.: .*metric='loss'"),
+    ("asha", "", "min", r"^task_runner\(metric=''\): name one of the values the trials report"),
+    ("asha", "loss", "minimize", r"^task_runner\(mode='minimize'\): use mode='min' \(lower loss is better"),
+    (None, None, "up", r"^task_runner\(mode='up'\): use mode='min'"),
+])
+def test_a_bad_setting_is_one_line_naming_it_and_the_fix(pruner: Any, metric: Any, mode: Any, said: str) -> None:
+    with pytest.raises(UserError, match=said) as refused:
+        check_settings(pruner, metric, mode)
+    assert "\n" not in str(refused.value)
+
+
+def test_good_settings_pass_and_no_pruner_needs_no_metric() -> None:
+    check_settings(None, None, "min")
+    check_settings(None, "acc", "max")
+    check_settings("hyperband", "loss", "min")
+    check_settings(optuna.pruners.NopPruner(), "loss", "max")
+
+
+def test_without_optuna_a_pruner_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = builtins.__import__
+
+    def no_optuna(name: str, *args: Any, **kwargs: Any) -> Any:
+        if name == "optuna" or name.startswith("optuna."):
+            raise ImportError("No module named 'optuna'")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_optuna)
+    with pytest.raises(UserError, match=r"^task_runner\(pruner='median'\) uses Optuna's pruners, and Optuna is not "
+                                        r"installed here: pip install 'hpc-garage\[tune\]'$"):
+        check_settings("median", "loss", "min")
+    check_settings(None, "loss", "min")  # reports without a pruner need no Optuna
+
+
+def test_the_median_pruner_stops_the_poor_curves_and_keeps_the_good_ones() -> None:
+    p = TrialPruner(optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=3), "min")
+    assert p.name == "MedianPruner"
+    assert run_to_end(p, "good-1", 0.1) is None and run_to_end(p, "good-2", 0.3) is None
+    assert run_to_end(p, "poor", 2.0) == 3  # the first step past the warm-up
+    assert p.pruned("poor") and not p.pruned("good-1")
+    assert p.decide("poor", 9, 0.0) is True  # pruned stays pruned, whatever it reports later
+    assert run_to_end(p, "better", 0.05) is None  # better than the median: runs to the end
+    assert run_to_end(p, "mediocre", 0.5) == 3  # worse than the median of the finished ones
+
+
+def test_max_mode_prunes_the_low_curves() -> None:
+    p = TrialPruner(optuna.pruners.MedianPruner(n_startup_trials=1, n_warmup_steps=1), "max")
+    for step in range(5):
+        assert not p.decide("high", step, 10.0 + step)
+    p.finished("high", 14.0)
+    assert not p.decide("low", 0, 1.0) and p.decide("low", 1, 2.0)
+
+
+def test_the_named_asha_has_a_rung_at_step_1_before_any_trial_finished() -> None:
+    """Ray Tune's ASHA defaults (grace period 1, reduction factor 4), not Optuna's min_resource="auto", which
+    has no rung until a first trial finished."""
+    p = TrialPruner("asha", "min")
+    assert p.decide("a", 1, 0.1) is False  # alone at the rung: promoted
+    assert p.decide("b", 1, 5.0) is True  # not in the best quarter at step 1 (with "auto": no rung yet, False)
+
+
+def test_asha_prunes_on_its_rungs() -> None:
+    p = TrialPruner(optuna.pruners.SuccessiveHalvingPruner(min_resource=2, reduction_factor=2), "min")
+    stopped = {name: run_to_end(p, name, floor) for name, floor in
+               [("a", 0.1), ("b", 0.2), ("c", 3.0), ("d", 0.05), ("e", 4.0), ("f", 5.0)]}
+    assert stopped["a"] is None and stopped["d"] is None
+    assert all(stopped[name] is not None for name in ("e", "f")), stopped
+
+
+def test_a_repeated_step_keeps_the_first_value_and_warns_nothing() -> None:
+    p = TrialPruner("median", "min")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert p.decide("t", 0, 1.0) is False
+        assert p.decide("t", 0, 5.0) is False  # continued from a checkpoint: step 0 again
+        assert p.decide("t", 1, 0.5) is False
+    assert p._study.get_trials()[0].intermediate_values == {0: 1.0, 1: 0.5}
+
+
+def test_the_journal_is_the_epochs_results_and_survives_a_new_job(tmp_path: Path) -> None:
+    assert journal_path({}) is None
+    path = journal_path({RESULTS_ENV: str(tmp_path / "results")})
+    assert path == tmp_path / "results" / PRUNER_JOURNAL
+    first = TrialPruner(optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=3), "min", path)
+    assert run_to_end(first, "good-1", 0.1) is None and run_to_end(first, "good-2", 0.3) is None
+    assert run_to_end(first, "poor", 2.0) == 3
+    for step in range(5):  # the job ends under this one: interrupted, continued by the next job
+        first.decide("long", step, curve(0.2, step))
+    first.interrupted("long")
+    assert path.exists()
+
+    later = TrialPruner(optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=3), "min", path)
+    assert later.pruned("poor") and later.decide("poor", 0, 0.0) is True  # a rerun of it is pruned at once
+    assert not later.pruned("good-1") and later.decide("good-1", 0, 9.0) is False  # finished: not decided again
+    assert run_to_end(later, "late-poor", 3.0) == 3  # the finished trials of the first job still inform it
+    assert later.decide("long", 5, curve(0.2, 5)) is False  # its Optuna trial continues
+    live = {t.user_attrs["hpc_garage_trial"]: t for t in later._study.get_trials()}
+    assert sorted(live["long"].intermediate_values) == list(range(6))
+    assert live["poor"].state == optuna.trial.TrialState.PRUNED
+    assert live["good-1"].state == optuna.trial.TrialState.COMPLETE and live["good-1"].value == curve(0.1, STEPS - 1)
