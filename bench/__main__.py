@@ -108,9 +108,9 @@ def _arguments(name: str, quick: bool, runs: int, out: Path) -> list[str]:
     if name == "reports":  # issue 25: 10,000 trial.report() calls per trial (2,000 in --quick), 2 trials at once
         return base + ["--reports", "2000" if quick else "10000", "--trials", "2"]
     if name == "pruning":  # issue 25: each sweep is a SLURM job (and Ray Tune's a login-node run): 2 runs at most
-        if quick:  # hpc-garage without pruner and with ASHA, and Ray Tune if its venv builds in 10 min
+        if quick:  # hpc-garage without pruner and with ASHA, and Ray Tune where its environment is built already
             return ["--runs", "1", "--trials", "8", "--steps", "8", "--step-seconds", "0.2", "--pruners", "none,asha",
-                    "--ray-build-timeout", "600"]
+                    "--no-ray-build"]
         return ["--runs", str(min(runs, 2))]
     if name == "packing":
         # quick: not prefect-submitit (a Python 3.12 venv to build, and an interpreter start per trial)

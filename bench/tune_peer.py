@@ -62,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ray-build-timeout", type=float, default=1800,
                         help="seconds to build Ray's virtual environment, if needed; past it Ray Tune is skipped")
     parser.add_argument("--no-ray", action="store_true")
+    parser.add_argument("--no-ray-build", action="store_true",
+                        help="Ray Tune only if this interpreter or the bench's cache has it (--quick: CI's time)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     size = {"trials": args.trials, "steps": args.steps, "step_seconds": args.step_seconds}
@@ -72,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         problems["ray"] = "skipped: --no-ray"
     else:
         try:
-            ray_python = find_ray(args.ray_build_timeout)
+            ray_python = find_ray(args.ray_build_timeout, build=not args.no_ray_build)
         except RuntimeError as exc:
             problems["ray"] = f"skipped: {exc}"
             say(f"pruning: Ray Tune {problems['ray']}")
@@ -126,9 +128,10 @@ def _ours(pruner: str, size: dict[str, Any], jobs: Jobs) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------------- Ray Tune
 
 
-def find_ray(build_timeout: float) -> str:
+def find_ray(build_timeout: float, build: bool = True) -> str:
     """An interpreter with Ray Tune: this one if it has Ray, else the bench's own virtual environment, built
-    once (`pip install 'ray[tune]'` from the package registry) into a temporary folder renamed when whole."""
+    once (`pip install 'ray[tune]'` from the package registry) into a temporary folder renamed when whole
+    (`build=False`: RuntimeError rather than a build)."""
     if importlib.util.find_spec("ray") is not None:
         return PYTHON
     python = RAY_VENV / "bin" / "python"
@@ -136,6 +139,9 @@ def find_ray(build_timeout: float) -> str:
         if _imports_tune(str(python)):
             return str(python)
         shutil.rmtree(RAY_VENV, ignore_errors=True)  # a broken or half-built one
+    if not build:
+        raise RuntimeError(f"no Ray here nor in {RAY_VENV}, and --quick builds none (`python -m bench --only "
+                           "pruning` does, once)")
     building = RAY_VENV.with_name(f"{RAY_VENV.name}.building-{os.getpid()}")
     say(f"pruning: building {RAY_VENV} for Ray Tune (once; pip install 'ray[tune]', at most {build_timeout:.0f} s)")
     started = time.monotonic()

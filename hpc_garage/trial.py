@@ -62,6 +62,11 @@ from hpc_garage.variables import RESULTS_ENV, SWEEP_ENV
 __all__ = ["Interrupted", "checkpoint_dir", "on_stop", "report", "should_stop", "stop_reason"]
 
 LOCAL_DIR = ".hpc-garage-checkpoints"  # outside hpc-garage: under the current directory
+# With a pruner, a report waits for its decision (as Ray Tune's tune.report does), at most ANSWER_TIMEOUT, but only
+# where the trial's steps are slower than WAIT_ABOVE: a trial reporting faster loses less to one more step than
+# to a round trip per report.
+WAIT_ABOVE = 0.02  # s since the trial's previous report
+ANSWER_TIMEOUT = 1.0  # s
 EVENT_REPORTS = 1000  # reports in one event at most: {"reports": [{"trial", "run", "task", "step", ...}, ...]}
 
 
@@ -86,7 +91,9 @@ def report(step: int, **metrics: float) -> None:
     """Report this trial's values at `step` (an int >= 0): `trial.report(step, loss=loss, acc=acc)`.
 
     They are kept per trial in the job's run directory (status, the report, Prefect show them) and, with a
-    pruner, decide whether the trial goes on: check `should_stop()` after reporting. A step reported again
+    pruner, decide whether the trial goes on: check `should_stop()` after reporting. With a pruner, a trial
+    whose steps take WAIT_ABOVE or more waits here for the decision (at most ANSWER_TIMEOUT), as Ray Tune's
+    `tune.report` does, so that a pruned trial runs no step past it; a faster one does not wait. A step reported again
     (a trial continued from its checkpoint) is kept, and the pruner keeps its first value. Outside a Dask
     worker this only checks its arguments. A bad step or value is a ValueError naming it.
     """
@@ -97,12 +104,20 @@ def report(step: int, **metrics: float) -> None:
     header = _header()
     if header is None:  # a plain Dask task, not a Prefect task run: no trial to report for
         return
-    _outbox.append((worker, {**header, "step": int(step), "time": time.time(), "values": values,
-                             "worker": worker.address}))
+    run_id, now = header["run"], time.time()
+    number, previous = _numbers.get(run_id, (0, 0.0))
+    number += 1
+    _numbers[run_id] = (number, now)
+    # a pruner answers (it did once): wait for its decision where a step takes longer than a round trip costs
+    wait = now - previous >= WAIT_ABOVE and stopping.answers(run_id) and run_id not in _unanswered
+    _outbox.append((worker, {**header, "step": int(step), "time": now, "values": values,
+                             "worker": worker.address, "number": number, "answer": wait}))
     global _flush_due
     if not _flush_due:
         _flush_due = True
         worker.loop.add_callback(_flush)
+    if wait and not stopping.wait_answer(run_id, number, ANSWER_TIMEOUT):
+        _unanswered.add(run_id)  # the flow's process is too busy to answer in time: stop waiting for it
 
 
 def on_stop(callback: Callable[[str], None]) -> None:
@@ -194,6 +209,8 @@ def _flush() -> None:
 
 
 _headers: dict[str, dict[str, str]] = {}  # task run id hex -> what each of its reports says it is
+_numbers: dict[str, tuple[int, float]] = {}  # task run id hex -> (its reports so far, when the last was made)
+_unanswered: set[str] = set()  # task run ids hex whose report was not answered within ANSWER_TIMEOUT
 
 
 def _header() -> dict[str, str] | None:
@@ -209,6 +226,8 @@ def _header() -> dict[str, str] | None:
         known = stopping.trial(run_id)
         if len(_headers) >= stopping.KEEP:
             _headers.clear()
+            _numbers.clear()
+            _unanswered.clear()
         header = _headers[run_id] = {"trial": str(known["key"]) if known else run_id, "run": run_id,
                                      "task": ctx.task.name}
     return header

@@ -47,11 +47,13 @@ def outside_job_env(also: tuple[str, ...] = ()) -> dict[str, str]:
 SERVER_FIXTURES = {"api", "cluster", "runner"}  # a Prefect server, a Dask cluster (below)
 
 
-# `scripts/test` (no arguments) runs the SLURM tests in two shards side by side, each on a cluster of its own
-# (the second one reached through SLURM_CONF): the long ones here, the rest there. $HPC_GARAGE_SLURM_SHARD picks.
-SECOND_SHARD = {"test_long_trials.py", "test_docs.py", "test_doctor.py", "test_prefect_api.py", "test_bench.py",
-                "test_pruning_sweep.py"}
-SHARD_ENV = "HPC_GARAGE_SLURM_SHARD"  # 1 or 2: only the SLURM tests of that shard; unset: all
+# `scripts/test` (no arguments) runs the SLURM tests in three shards side by side, each on a cluster of its own
+# (the second and third reached through SLURM_CONF): the modules named here go to shards 2 and 3, the rest to
+# shard 1. $HPC_GARAGE_SLURM_SHARD picks one.
+SHARDS = {"test_long_trials.py": "2", "test_docs.py": "2", "test_doctor.py": "2", "test_prefect_api.py": "2",
+          "test_pruning_sweep.py": "2", "test_durable.py": "2",
+          "test_bench.py": "3"}
+SHARD_ENV = "HPC_GARAGE_SLURM_SHARD"  # 1, 2 or 3: only the SLURM tests of that shard; unset: all
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -66,9 +68,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                                 + ", ".join(unmarked))
     shard = os.environ.get(SHARD_ENV)
     if shard:
-        second = shard == "2"
         keep = [item for item in items
-                if "slurm" not in item.keywords or (Path(str(item.fspath)).name in SECOND_SHARD) == second]
+                if "slurm" not in item.keywords or SHARDS.get(Path(str(item.fspath)).name, "1") == shard]
         config.hook.pytest_deselected(items=[item for item in items if item not in keep])
         items[:] = keep
 

@@ -84,7 +84,7 @@ def test_read_json_when_ready_waits_for_a_whole_file_and_gives_up_when_its_write
 @pytest.mark.slow
 @pytest.mark.slurm
 # ten benchmarks, each with its own cluster and Prefect server: over 10 min on a loaded CI machine; the pruning
-# one adds 2 SLURM jobs and Ray Tune (its virtual environment built once, a few minutes)
+# one adds 2 small SLURM jobs (Ray Tune only where its environment is built already: `--no-ray-build`)
 @pytest.mark.timeout(2400)
 def test_quick_bench_runs_every_benchmark(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "bench", "--quick", "--out", str(tmp_path)], cwd=ROOT,

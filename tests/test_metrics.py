@@ -99,6 +99,49 @@ def test_without_a_metric_the_first_reported_one_ranks_lower_first(tmp_path: Pat
     assert summary["reporting"] == 2
 
 
+def test_numbered_reports_are_answered_where_the_trial_waits_and_the_prune_goes_with_the_answer(
+        tmp_path: Path) -> None:
+    """The first reports of a trial are answered (its worker learns a pruner answers), later ones only where
+    the trial waits ("answer": its steps are slow), the pruning one always, with the stop."""
+    from hpc_garage.cluster import stopping
+
+    pruner = optuna.pruners.MedianPruner(n_startup_trials=1, n_warmup_steps=1)
+    metrics, client = TrialMetrics(pruner, "loss", "min", RunDir(tmp_path)), FakeClient()
+    metrics.start(client)
+
+    def numbered(trial: str, step: int, loss: float, answer: bool) -> dict[str, Any]:
+        return msg(trial, step, loss=loss) | {"number": step + 1, "answer": answer}
+
+    # each trial's reports in one event (one drained batch), as a worker's flush sends them
+    client.handler((time.time(), {"reports": [numbered("good", s, 1.0 / (s + 1), answer=False) for s in range(4)]}))
+    feed(metrics, client, ("run-good", "COMPLETED"))
+    client.handler((time.time(), {"reports": [numbered("poor", 0, 5.0, answer=False), numbered("poor", 1, 4.9, True),
+                                              numbered("poor", 2, 4.8, True), numbered("poor", 3, 4.7, True)]}))
+    metrics.close()
+    sent = [(f.__name__, args) for f, args, _ in client.runs]
+    # one answer per trial and drained batch, to its last answered report; after the prune: stored, not answered
+    assert sent == [("decided", ("run-good", 4, False)), ("decided", ("run-poor", 2, True))], sent
+    assert all(kw["workers"] == ["tcp://w1"] for _, _, kw in client.runs)
+    assert client.runs[-1][0] is stopping.decided
+
+
+def test_a_pruner_answer_wakes_the_waiting_report_and_stops_a_pruned_trial() -> None:
+    import threading
+
+    from hpc_garage.cluster import stopping
+
+    stopping.reset()
+    try:
+        assert not stopping.answers("r1") and stopping.wait_answer("r1", 1, 0.05) is False
+        threading.Timer(0.1, stopping.decided, ("r1", 2, True)).start()
+        assert stopping.wait_answer("r1", 2, 5.0) is True  # woken by the answer, not the timeout
+        assert stopping.answers("r1") and stopping.reason("r1") == "pruned" and stopping.reason("r2") is None
+        stopping.decided("r1", 1, False)  # a late answer to an earlier report moves nothing back
+        assert stopping.wait_answer("r1", 2, 0.0) is True
+    finally:
+        stopping.reset()
+
+
 def test_the_pruner_decides_and_the_pruned_trial_is_told_on_its_worker(tmp_path: Path) -> None:
     from hpc_garage.cluster import stopping
 

@@ -112,11 +112,13 @@ def test_asha_on_the_curves_keeps_the_best_trial_within_60_percent_of_the_steps(
     import random
 
     optuna = pytest.importorskip("optuna")
+    from hpc_garage.pruning import make_pruner  # the named pruner task_runner(pruner="asha") uses
+
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     sweep = curves_module()
     for lag in range(3):
         curves = [sweep.learning_curve(p["lr"], p["dropout"], STEPS) for p in sweep.sweep_params(TRIALS)]
-        study, rng = optuna.create_study(pruner=sweep.make_pruner("asha")), random.Random(lag)
+        study, rng = optuna.create_study(pruner=make_pruner(sweep.make_pruner("asha"))), random.Random(lag)
         waiting, running, used, finished = list(range(TRIALS)), {}, 0, set()
         while waiting or running:
             while waiting and len(running) < 8:

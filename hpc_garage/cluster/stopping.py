@@ -21,8 +21,8 @@ from typing import Any
 
 from hpc_garage.core.sweep import CHECKPOINTS_DIR, TRIALS_DIR
 
-__all__ = ["CHECKPOINTS_DIR", "REPORT_TOPIC", "TRIALS_DIR", "any_stop", "note_trial", "on_stop", "reason", "stop",
-           "stop_trials", "trial"]
+__all__ = ["CHECKPOINTS_DIR", "REPORT_TOPIC", "TRIALS_DIR", "answers", "any_stop", "decided", "note_trial", "on_stop",
+           "reason", "stop", "stop_trials", "trial", "wait_answer"]
 
 logger = logging.getLogger(__name__)
 
@@ -94,10 +94,42 @@ def stop_trials(why: str, run_ids: list[str]) -> dict[str, dict[str, Any]]:
         return {run_id: dict(_trials[run_id]) for run_id in run_ids if run_id in _trials}
 
 
+# ---- the pruner's answer to a report: Ray Tune's trials wait in tune.report() until its scheduler decided;
+# a trial with slow steps here waits too (trial.report), so that a pruned trial does not run one more step.
+
+_answered: dict[str, int] = {}  # task run id hex -> the last report number the flow's pruner answered
+_answer = threading.Condition(_lock)
+
+
+def decided(run_id: str, number: int, pruned: bool) -> None:
+    """Run on the trial's worker by the flow's process (Dask's run op): report `number` of task run `run_id`
+    was decided; stop it first where it was pruned."""
+    if pruned:
+        stop("pruned", trial=run_id)
+    with _answer:
+        if number > _answered.get(run_id, -1):
+            _answered[run_id] = number
+            if len(_answered) > KEEP:
+                _answered.pop(next(iter(_answered)))
+        _answer.notify_all()
+
+
+def answers(run_id: str) -> bool:
+    """Whether a pruner answers this trial's reports (the flow's process answered one already)."""
+    return run_id in _answered
+
+
+def wait_answer(run_id: str, number: int, timeout: float) -> bool:
+    """Block the trial until report `number` is decided, at most `timeout` s; False when it was not."""
+    with _answer:
+        return _answer.wait_for(lambda: _answered.get(run_id, -1) >= number, timeout)
+
+
 def reset() -> None:
     """Forget every stop (tests; a process reused for another run)."""
     with _lock:
         _reasons.clear()
         _callbacks.clear()
         _trials.clear()
+        _answered.clear()
         _stopping.clear()

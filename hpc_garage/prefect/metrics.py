@@ -26,6 +26,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 FLUSH_EVERY = 1.0  # s: the files are brought up to date at most this often (and at the end)
 BATCH = 10_000  # reports drained at once at most (the pruner decides at every one)
+SENDERS = 2  # threads sending the pruner's answers and stops to the workers
 CLOSE_TIMEOUT = 30.0  # s the flow waits at its end for the last reports to be written
 FINAL_STATES = {"COMPLETED": "done", "CRASHED": "interrupted"}  # Prefect state of the task -> the trial's; else failed
 
@@ -64,6 +66,8 @@ class TrialMetrics:
         self._lines: dict[str, list[str]] = {}  # trial id -> its JSON lines not yet written
         self._ended_early: OrderedDict[str, float] = OrderedDict()  # task run id -> when it ended, unreported yet
         self._stopped: set[str] = set()  # task run ids told to stop
+        self._answered: set[str] = set()  # task run ids whose worker knows the pruner answers their reports
+        self._sender: ThreadPoolExecutor | None = None  # sends stops and answers to the workers
         self._dirty = False
         self._write_failed = False
 
@@ -90,6 +94,7 @@ class TrialMetrics:
         if self.run_dir is not None:
             self.run_dir.metrics_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._client = client
+        self._sender = ThreadPoolExecutor(max_workers=SENDERS, thread_name_prefix="hpc-garage-answers")
         self._thread = threading.Thread(target=self._drain, name="hpc-garage-metrics", daemon=True)
         self._thread.start()
         put = self._queue.put
@@ -112,7 +117,9 @@ class TrialMetrics:
         self._thread.join(CLOSE_TIMEOUT)
         if self._thread.is_alive():
             logger.warning("the trials' reports were not all written within %.0f s of the flow's end", CLOSE_TIMEOUT)
-        self._thread, self._client = None, None
+        if self._sender is not None:
+            self._sender.shutdown(wait=True)  # the last stops and answers: the client still lives
+        self._thread, self._client, self._sender = None, None, None
 
     # ---- the drain thread
 
@@ -139,15 +146,39 @@ class TrialMetrics:
 
     def _handle(self, batch: list[tuple[Any, ...]]) -> None:
         """Reports in order, the pruner asked at each one: ASHA and Hyperband record a trial's value at a rung
-        as the value they are asked with, so a later step's (lower) loss must never stand in for a rung's."""
+        as the value they are asked with, so a later step's (lower) loss must never stand in for a rung's.
+        Then each trial waiting for its answer (trial.report) gets it: its last report's, one Dask run op."""
+        answers: dict[str, tuple[str | None, int, bool]] = {}
         for item in batch:
             if item[0] == "reports":
                 for msg in item[1]:
-                    self._report(msg)
+                    self._report(msg, answers)
             elif item[0] == "end":
                 self._end(item[1], item[2], item[3])
+        for run_id, (worker, number, pruned) in answers.items():
+            self._answer(run_id, worker, number, pruned)
 
-    def _report(self, msg: dict[str, Any]) -> None:
+    def _answer(self, run_id: str, worker: str | None, number: int, pruned: bool) -> None:
+        """Tell the trial's worker that report `number` was decided, stopping the trial where it was pruned."""
+        self._answered.add(run_id)
+        self._send(worker, stopping.decided, run_id, number, pruned)
+
+    def _send(self, worker: str | None, function: Any, *args: Any, **kwargs: Any) -> None:
+        """Run `function` on the trial's worker (Dask's run op), from a thread of its own: the drain thread
+        goes on deciding meanwhile."""
+        if self._client is None or self._sender is None:
+            return
+        client = self._client
+
+        def send() -> None:
+            try:
+                client.run(function, *args, workers=[worker] if worker else None, on_error="ignore", **kwargs)
+            except Exception as exc:  # noqa: BLE001 - its worker is gone: so is the trial
+                logger.info("could not reach the trial's worker %s: %s", worker, exc)
+
+        self._sender.submit(send)
+
+    def _report(self, msg: dict[str, Any], answers: dict[str, tuple[str | None, int, bool]]) -> None:
         trial_id, run_id, step, values = str(msg["trial"]), str(msg["run"]), int(msg["step"]), msg["values"]
         record = self.trials.get(trial_id)
         if record is None or record["run"] != run_id:  # its first report, or a new run of it (a retry)
@@ -164,7 +195,12 @@ class TrialMetrics:
             json.dumps({"step": step, "time": msg.get("time"), "values": values}))
         self._dirty = True
         if self.pruner is not None and record["state"] == "running" and self.metric in values:
-            self._decide(trial_id, step, values[self.metric])
+            pruned = self._decide(trial_id, step, values[self.metric])
+            number = msg.get("number")
+            if isinstance(number, int) and (pruned or msg.get("answer") or run_id not in self._answered):
+                answers[run_id] = (msg.get("worker"), number, pruned)  # the first answer tells it to wait
+            elif pruned:  # a report without a number (an older worker): the stop alone
+                self._send(msg.get("worker"), stopping.stop, "pruned", trial=run_id)
         if (ended := self._ended_early.pop(run_id, None)) is not None:
             self._finish(trial_id, "done", ended)
 
@@ -184,26 +220,26 @@ class TrialMetrics:
             self._stop(trial_id, record, "the study has it as pruned")
         return record
 
-    def _decide(self, trial_id: str, step: int, value: float) -> None:
+    def _decide(self, trial_id: str, step: int, value: float) -> bool:
+        """Whether the pruner prunes the trial now (its stop goes with the answer to this report)."""
         record = self.trials[trial_id]
         if self.pruner is None or record["state"] != "running" or not self.pruner.decide(trial_id, step, value):
-            return
+            return False
         record["state"] = "pruned"
         self._dirty = True
-        self._stop(trial_id, record, f"{self.metric} {value:g} at step {step}")
+        self._stopped.add(record["run"])
+        logger.info("pruned trial %s (%s, task run %s): %s %g at step %d", trial_id, record.get("task"),
+                    record["run"], self.metric, value, step)
+        return True
 
     def _stop(self, trial_id: str, record: dict[str, Any], why: str) -> None:
-        """Tell the trial on its worker (Dask's run op on that one worker); each run once."""
-        run_id, worker = record["run"], record.get("worker")
-        if run_id in self._stopped or self._client is None:
+        """Tell the trial on its worker to stop; each run once."""
+        run_id = record["run"]
+        if run_id in self._stopped:
             return
         self._stopped.add(run_id)
         logger.info("pruned trial %s (%s, task run %s): %s", trial_id, record.get("task"), run_id, why)
-        try:
-            self._client.run(stopping.stop, "pruned", trial=run_id, workers=[worker] if worker else None,
-                             on_error="ignore")
-        except Exception as exc:  # noqa: BLE001 - its worker is gone: so is the trial
-            logger.info("could not tell trial %s to stop on %s: %s", trial_id, worker, exc)
+        self._send(record.get("worker"), stopping.stop, "pruned", trial=run_id)
 
     def _end(self, run_id: str, future: Any, when: float) -> None:
         trial_id = self._runs.get(run_id)
