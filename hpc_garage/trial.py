@@ -108,8 +108,10 @@ def report(step: int, **metrics: float) -> None:
     number, previous = _numbers.get(run_id, (0, 0.0))
     number += 1
     _numbers[run_id] = (number, now)
-    # a pruner answers (it did once): wait for its decision where a step takes longer than a round trip costs
-    wait = now - previous >= WAIT_ABOVE and stopping.answers(run_id) and run_id not in _unanswered
+    # a pruner answers: wait for its decision where a step takes longer than a round trip costs, unless this
+    # trial was told to stop already (pruned: no more answers) or an answer came too late once
+    wait = (stopping.answers() and now - previous >= WAIT_ABOVE and run_id not in _unanswered
+            and stopping.reason(run_id) is None)
     _outbox.append((worker, {**header, "step": int(step), "time": now, "values": values,
                              "worker": worker.address, "number": number, "answer": wait}))
     global _flush_due

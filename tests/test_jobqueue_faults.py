@@ -116,7 +116,9 @@ def test_workers_at_the_end_of_their_jobs_retire_between_trials_and_keep_their_r
     # 2-min worker jobs whose workers retire a minute into them, 5-s trials: the sweep spans generations of
     # jobs. (The minute left lets a replacement that waited long in a busy queue still take the results.)
     env = write_site(tmp_path / "sites", "jq-gen", "00:02:00", jobs=2, lifetime_margin="60s", lifetime_stagger=0)
-    count, duration = 24, 5.0
+    # enough work to outlast the first jobs' minute even when their replacements, asked for ahead (about 30 s
+    # in), start at once and double the workers: 24 trials ended at 46 s on an idle machine, before any drain
+    count, duration = 48, 5.0
     proc, marks, out = start_trials(tmp_path, "jq-gen", env, count, duration, keep="keep")
     stderr = finish(proc, 300)
     assert proc.returncode == 0, stderr[-3000:]

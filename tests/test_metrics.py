@@ -26,6 +26,7 @@ class FakeClient:
     def __init__(self) -> None:
         self.handler: Any = None
         self.runs: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []
+        self.plugins: dict[str, Any] = {}
 
     def subscribe_topic(self, topic: str, handler: Any) -> None:
         self.handler = handler
@@ -35,6 +36,12 @@ class FakeClient:
 
     def run(self, function: Any, *args: Any, **kwargs: Any) -> None:
         self.runs.append((function, args, kwargs))
+
+    def register_plugin(self, plugin: Any, name: str) -> None:
+        self.plugins[name] = plugin
+
+    def unregister_worker_plugin(self, name: str) -> None:
+        del self.plugins[name]
 
 
 class Done:
@@ -101,8 +108,8 @@ def test_without_a_metric_the_first_reported_one_ranks_lower_first(tmp_path: Pat
 
 def test_numbered_reports_are_answered_where_the_trial_waits_and_the_prune_goes_with_the_answer(
         tmp_path: Path) -> None:
-    """The first reports of a trial are answered (its worker learns a pruner answers), later ones only where
-    the trial waits ("answer": its steps are slow), the pruning one always, with the stop."""
+    """Reports are answered where the trial waits ("answer": its steps are slow) and where they prune it (the
+    stop goes with the answer); the workers are told, by a plugin, that answers come."""
     from hpc_garage.cluster import stopping
 
     pruner = optuna.pruners.MedianPruner(n_startup_trials=1, n_warmup_steps=1)
@@ -117,10 +124,13 @@ def test_numbered_reports_are_answered_where_the_trial_waits_and_the_prune_goes_
     feed(metrics, client, ("run-good", "COMPLETED"))
     client.handler((time.time(), {"reports": [numbered("poor", 0, 5.0, answer=False), numbered("poor", 1, 4.9, True),
                                               numbered("poor", 2, 4.8, True), numbered("poor", 3, 4.7, True)]}))
+    assert set(client.plugins) == {"hpc-garage-pruner-answers"}
     metrics.close()
+    assert client.plugins == {}  # the workers may serve a flow without a pruner next
     sent = [(f.__name__, args) for f, args, _ in client.runs]
-    # one answer per trial and drained batch, to its last answered report; after the prune: stored, not answered
-    assert sent == [("decided", ("run-good", 4, False)), ("decided", ("run-poor", 2, True))], sent
+    # answered: reports that wait, and the pruning one (one answer per trial and drained batch: its last);
+    # a report of the pruned trial that waits gets "pruned" again
+    assert sent == [("decided", ("run-poor", 4, True))], sent
     assert all(kw["workers"] == ["tcp://w1"] for _, _, kw in client.runs)
     assert client.runs[-1][0] is stopping.decided
 
@@ -132,10 +142,12 @@ def test_a_pruner_answer_wakes_the_waiting_report_and_stops_a_pruned_trial() -> 
 
     stopping.reset()
     try:
-        assert not stopping.answers("r1") and stopping.wait_answer("r1", 1, 0.05) is False
+        assert not stopping.answers() and stopping.wait_answer("r1", 1, 0.05) is False
+        stopping.answering(True)
+        assert stopping.answers()
         threading.Timer(0.1, stopping.decided, ("r1", 2, True)).start()
         assert stopping.wait_answer("r1", 2, 5.0) is True  # woken by the answer, not the timeout
-        assert stopping.answers("r1") and stopping.reason("r1") == "pruned" and stopping.reason("r2") is None
+        assert stopping.reason("r1") == "pruned" and stopping.reason("r2") is None
         stopping.decided("r1", 1, False)  # a late answer to an earlier report moves nothing back
         assert stopping.wait_answer("r1", 2, 0.0) is True
     finally:

@@ -21,7 +21,7 @@ from typing import Any
 
 from hpc_garage.core.sweep import CHECKPOINTS_DIR, TRIALS_DIR
 
-__all__ = ["CHECKPOINTS_DIR", "REPORT_TOPIC", "TRIALS_DIR", "answers", "any_stop", "decided", "note_trial", "on_stop",
+__all__ = ["CHECKPOINTS_DIR", "REPORT_TOPIC", "TRIALS_DIR", "answering", "answers", "any_stop", "decided", "note_trial", "on_stop",
            "reason", "stop", "stop_trials", "trial", "wait_answer"]
 
 logger = logging.getLogger(__name__)
@@ -99,6 +99,15 @@ def stop_trials(why: str, run_ids: list[str]) -> dict[str, dict[str, Any]]:
 
 _answered: dict[str, int] = {}  # task run id hex -> the last report number the flow's pruner answered
 _answer = threading.Condition(_lock)
+_answering = threading.Event()  # set on every worker of a flow with a pruner (prefect/metrics.py's plugin)
+
+
+def answering(on: bool) -> None:
+    """A flow whose pruner answers each report uses this worker (on), or no longer (off)."""
+    if on:
+        _answering.set()
+    else:
+        _answering.clear()
 
 
 def decided(run_id: str, number: int, pruned: bool) -> None:
@@ -114,9 +123,9 @@ def decided(run_id: str, number: int, pruned: bool) -> None:
         _answer.notify_all()
 
 
-def answers(run_id: str) -> bool:
-    """Whether a pruner answers this trial's reports (the flow's process answered one already)."""
-    return run_id in _answered
+def answers() -> bool:
+    """Whether a pruner answers the reports of the trials here."""
+    return _answering.is_set()
 
 
 def wait_answer(run_id: str, number: int, timeout: float) -> bool:
@@ -132,4 +141,5 @@ def reset() -> None:
         _callbacks.clear()
         _trials.clear()
         _answered.clear()
+        _answering.clear()
         _stopping.clear()

@@ -30,6 +30,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from distributed.diagnostics.plugin import WorkerPlugin
+
 from hpc_garage.cluster import stopping
 from hpc_garage.cluster.stopping import REPORT_TOPIC
 from hpc_garage.files import append_private, write_json
@@ -66,7 +68,6 @@ class TrialMetrics:
         self._lines: dict[str, list[str]] = {}  # trial id -> its JSON lines not yet written
         self._ended_early: OrderedDict[str, float] = OrderedDict()  # task run id -> when it ended, unreported yet
         self._stopped: set[str] = set()  # task run ids told to stop
-        self._answered: set[str] = set()  # task run ids whose worker knows the pruner answers their reports
         self._sender: ThreadPoolExecutor | None = None  # sends stops and answers to the workers
         self._dirty = False
         self._write_failed = False
@@ -99,6 +100,8 @@ class TrialMetrics:
         self._thread.start()
         put = self._queue.put
         client.subscribe_topic(REPORT_TOPIC, lambda event: put(("reports", event[1].get("reports", ()))))
+        if self.pruner is not None:  # the trials' reports wait for its answers, on every worker, later ones too
+            client.register_plugin(PrunerAnswers(), name=PrunerAnswers.name)
 
     def ended(self, run_id: str, future: Any) -> None:
         """A task's future is done (the client's event loop calls this: it only enqueues)."""
@@ -113,6 +116,11 @@ class TrialMetrics:
             self._client.unsubscribe_topic(REPORT_TOPIC)
         except Exception as exc:  # noqa: BLE001 - a closed client: nothing more can arrive anyway
             logger.debug("unsubscribing from %s: %s", REPORT_TOPIC, exc)
+        if self.pruner is not None:
+            try:
+                self._client.unregister_worker_plugin(PrunerAnswers.name)  # the workers may serve another flow
+            except Exception as exc:  # noqa: BLE001 - a closed cluster: no worker waits any more
+                logger.debug("unregistering %s: %s", PrunerAnswers.name, exc)
         self._queue.put(("close",))
         self._thread.join(CLOSE_TIMEOUT)
         if self._thread.is_alive():
@@ -160,7 +168,6 @@ class TrialMetrics:
 
     def _answer(self, run_id: str, worker: str | None, number: int, pruned: bool) -> None:
         """Tell the trial's worker that report `number` was decided, stopping the trial where it was pruned."""
-        self._answered.add(run_id)
         self._send(worker, stopping.decided, run_id, number, pruned)
 
     def _send(self, worker: str | None, function: Any, *args: Any, **kwargs: Any) -> None:
@@ -194,12 +201,12 @@ class TrialMetrics:
         self._lines.setdefault(trial_id, []).append(
             json.dumps({"step": step, "time": msg.get("time"), "values": values}))
         self._dirty = True
-        if self.pruner is not None and record["state"] == "running" and self.metric in values:
-            pruned = self._decide(trial_id, step, values[self.metric])
-            number = msg.get("number")
-            if isinstance(number, int) and (pruned or msg.get("answer") or run_id not in self._answered):
-                answers[run_id] = (msg.get("worker"), number, pruned)  # the first answer tells it to wait
-            elif pruned:  # a report without a number (an older worker): the stop alone
+        if self.pruner is not None and self.metric in values:
+            fresh = record["state"] == "running" and self._decide(trial_id, step, values[self.metric])
+            pruned, number = record["state"] == "pruned", msg.get("number")
+            if isinstance(number, int) and (fresh or msg.get("answer")):
+                answers[run_id] = (msg.get("worker"), number, pruned)  # the trial waits for it, or must stop
+            elif fresh:  # a report without a number (an older worker): the stop alone
                 self._send(msg.get("worker"), stopping.stop, "pruned", trial=run_id)
         if (ended := self._ended_early.pop(run_id, None)) is not None:
             self._finish(trial_id, "done", ended)
@@ -301,6 +308,18 @@ class TrialMetrics:
         if than is None or math.isnan(than):
             return True
         return value < than if self.mode == "min" else value > than
+
+
+class PrunerAnswers(WorkerPlugin):
+    """On each worker of a flow with a pruner: its trials' reports wait for the pruner's answer (trial.report)."""
+
+    name = "hpc-garage-pruner-answers"
+
+    def setup(self, worker: Any) -> None:
+        stopping.answering(True)
+
+    def teardown(self, worker: Any) -> None:
+        stopping.answering(False)
 
 
 def _final_state(future: Any) -> str:
