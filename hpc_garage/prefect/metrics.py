@@ -8,9 +8,10 @@ disk or a pruner never holds up the client. It:
 - appends each report to `metrics/<trial>.jsonl` in the job's run directory and keeps `metrics/trials.json`
   (each trial's last and best values, its state; the best trial; counts) up to date, at most once a second
   and at the end (the readers: status, the report, the Prefect artifacts);
-- with a pruner (`task_runner(pruner=..., metric=...)`), gives it the metric and, where it prunes, tells that
-  trial on its worker through Dask's `run` op (`stopping.stop("pruned", trial=<task run id>)`); the trial
-  sees `should_stop()` and returns. A trial the epoch's study already has as pruned (a rerun after its job
+- with a pruner (`task_runner(pruner=..., metric=...)`), gives it the metric at every report and answers the
+  reports a trial waits on (trial.report: a trial whose steps are slow waits for the decision, as under Ray
+  Tune; a worker plugin tells every worker that answers come), through Dask's `run` op on that one worker
+  (`stopping.decided`), which stops a pruned trial first; the trial sees `should_stop()` and returns. A trial the epoch's study already has as pruned (a rerun after its job
   ended) is stopped at its first report;
 - notes each trial's end when its task's future does (HpcTaskRunner hands it over): "done", "failed", or
   "interrupted" (its job ended first: Prefect's Crashed); a pruned trial stays "pruned".
