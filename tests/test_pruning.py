@@ -149,3 +149,19 @@ def test_the_journal_is_the_epochs_results_and_survives_a_new_job(tmp_path: Path
     assert sorted(live["long"].intermediate_values) == list(range(6))
     assert live["poor"].state == optuna.trial.TrialState.PRUNED
     assert live["good-1"].state == optuna.trial.TrialState.COMPLETE and live["good-1"].value == curve(0.1, STEPS - 1)
+
+
+def test_every_task_runner_call_with_a_pruner_in_the_readme_and_the_guide_is_accepted() -> None:
+    """The README's and the early-stopping guide's `task_runner(pruner=...)` calls, literally: each one is
+    accepted as written (a pruner without `metric=` is refused, and the README once showed one)."""
+    import ast
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    calls = [call for doc in ("README.md", "docs/how-to/early-stopping.md")
+             for call in re.findall(r"task_runner\((pruner=[^()`]*)\)", (root / doc).read_text())
+             if "..." not in call]  # a signature in prose, not a call
+    assert len(calls) >= 2, calls
+    for call in calls:
+        kwargs = {k.arg: ast.literal_eval(k.value) for k in ast.parse(f"f({call})").body[0].value.keywords}
+        check_settings(kwargs.get("pruner"), kwargs.get("metric"), kwargs.get("mode", "min"))
