@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from bench.common import outside_job_env  # the one copy: bench and tests strip a job's environment alike
+
 if TYPE_CHECKING:  # Prefect and Dask are imported only by the tests that use these fixtures
     from distributed import SpecCluster
 
@@ -34,14 +36,6 @@ def slurm_reachable() -> str | None:
     if done.returncode != 0:
         return f"sinfo failed: {done.stderr.strip()}"
     return None
-
-
-def outside_job_env(also: tuple[str, ...] = ()) -> dict[str, str]:
-    """This environment as a login shell's: no job's SLURM_*/PBS_* (the tests may run inside a job) and no
-    HPC_GARAGE_* of this process, but SLURM_CONF kept: it names the cluster this test process uses
-    (scripts/test runs its second shard of SLURM tests on a second cluster)."""
-    return {k: v for k, v in os.environ.items()
-            if k == "SLURM_CONF" or not k.startswith(("SLURM", "PBS_", "HPC_GARAGE", *also))}
 
 
 SERVER_FIXTURES = {"api", "cluster", "runner"}  # a Prefect server, a Dask cluster (below)

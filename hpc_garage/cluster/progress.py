@@ -364,12 +364,7 @@ def attach_gpu_figures(report: dict[str, Any], api: Mapping[str, str], *, budget
     known = [task_run for task_run in ids if task_run in flow_runs]  # in the API: a plain Dask key is not
     attached = _post_all(client, [artifact(task_run) for task_run in known], ARTIFACT_KEY)
     line = f"GPU figures attached to {attached} Prefect task runs as artifacts (key {ARTIFACT_KEY})"
-    missed = []
-    if len(trials) > len(known):
-        missed.append(f"{len(trials) - len(known)} not in the API")
-    if len(known) > attached:
-        missed.append(f"{len(known) - attached} not attached within {budget:g} s or refused")
-    return f"{line}; {', '.join(missed)}" if missed else line
+    return _with_missed(line, len(trials) - len(known), "", len(known) - attached, "", budget)
 
 
 def attach_trial_metrics(report: dict[str, Any], api: Mapping[str, str], *, budget: float = ATTACH_SECONDS,
@@ -420,11 +415,13 @@ def attach_trial_metrics(report: dict[str, Any], api: Mapping[str, str], *, budg
     line = (f"trial metrics attached to {min(attached, len(known))} Prefect task runs as artifacts (key "
             f"{TRIAL_METRICS_KEY}), the sweep's to their flow run{'s' if len(runs) != 1 else ''} "
             f"(key {SWEEP_METRICS_KEY})")
-    missed = []
-    if len(trials) > len(known):
-        missed.append(f"{len(trials) - len(known)} trials not in the API")
-    if len(bodies) > attached:
-        missed.append(f"{len(bodies) - attached} artifacts not attached within {budget:g} s or refused")
+    return _with_missed(line, len(trials) - len(known), " trials", len(bodies) - attached, " artifacts", budget)
+
+
+def _with_missed(line: str, absent: int, trials: str, unattached: int, artifacts: str, budget: float) -> str:
+    """`line`, then what the API did not know and what was not attached within the budget, where any."""
+    missed = [f"{absent}{trials} not in the API"] * (absent > 0)
+    missed += [f"{unattached}{artifacts} not attached within {budget:g} s or refused"] * (unattached > 0)
     return f"{line}; {', '.join(missed)}" if missed else line
 
 
