@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -60,13 +61,15 @@ def measure(runs: int, poll: float) -> list[Figure]:
     jobs = Jobs()
     worker = _worker(env, home)
     samples: dict[str, list[dict[str, float]]] = {DEPLOYMENT: [], SUBMIT: []}
+    directories = [home]  # removed once the worker and the jobs are gone
     try:
         deployment = _deploy(env, api)
         for i in range(runs):
             for name, run in ((DEPLOYMENT, lambda d: _deployment_run(d, api, deployment, jobs)),
                               (SUBMIT, lambda d: _submit(d, env, jobs))):
                 wait_for_free_nodes()
-                sample = run(scratch("deployment-run-"))
+                directories.append(scratch("deployment-run-"))
+                sample = run(directories[-1])
                 samples[name].append(sample)
                 say(f"deployment run {i + 1}/{runs}: {name}: submitted {sample['submitted']:.1f} s, first task "
                     f"{sample['first_task']:.1f} s after the request")
@@ -77,6 +80,8 @@ def measure(runs: int, poll: float) -> list[Figure]:
         except subprocess.TimeoutExpired:
             worker.kill()
         jobs.cancel()
+        for directory in directories:
+            shutil.rmtree(directory, ignore_errors=True)
     figures = []
     shape = "1 node x 4 GPU workers, 4 trials"
     for key, what, goal, check in (

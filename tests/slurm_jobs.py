@@ -23,6 +23,18 @@ def wait_gone(job_id: str, timeout: float = 120) -> str:
     raise AssertionError(f"job {job_id} still {state} after {timeout} s (cancelled)")
 
 
+def job_logs(root: Path, lines: int = 80) -> str:
+    """The last `lines` of every batch job's log under `root` (`<job id>.out` in a run directory), oldest
+    first: what a failing test shows of the jobs it started, since the run's own account of a wind-down or
+    a follow-up is there, not in `submit --wait`'s lines."""
+    logs = sorted(root.rglob("*.out"), key=lambda p: p.stat().st_mtime)
+    parts = []
+    for log in logs:
+        tail = log.read_text(errors="replace").splitlines()[-lines:]
+        parts.append(f"--- {log} (last {len(tail)} lines)\n" + "\n".join(tail))
+    return "\n".join(parts) or f"(no job log under {root})"
+
+
 def exit_code(scontrol_line: str) -> int:
     m = re.search(r"ExitCode=(\d+):(\d+)", scontrol_line)
     assert m, scontrol_line

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import DATA, ROOT, outside_job_env
-from tests.slurm_jobs import exit_code, wait_gone
+from tests.slurm_jobs import exit_code, job_logs, wait_gone
 
 SWEEP = DATA / "fault_sweep.py"
 PY = sys.executable
@@ -44,7 +44,7 @@ def submit(tmp_path: Path, site: Path, trials: int, duration: float, *extra: str
     done = hpcg(["submit", "--site", str(site), "--nodes", "2", "--gpus-per-node", "2", *extra, str(SWEEP),
                  "--trials", str(trials), "--duration", str(duration), "--marks", str(marks), "--out", str(out)],
                 tmp_path)
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.returncode == 0, done.stdout + done.stderr + job_logs(tmp_path / "runs")
     job = re.search(r"submitted job (\S+)", done.stdout)
     assert job, done.stdout
     return job.group(1), marks, out
@@ -89,7 +89,7 @@ def test_cancel_then_resume_runs_no_finished_trial_again(tmp_path: Path) -> None
     finished = set(count(marks, "done"))  # after the job is gone: nothing finishes any more
     assert not out.exists()
     resumed = hpcg(["resume", job, "--site", str(site), "--wait"], tmp_path, timeout=300)
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr + job_logs(tmp_path / "runs")
     assert re.search(r"resumed sweep fault_sweep-\w+ as job \d+", resumed.stdout), resumed.stdout
     check_result(out, trials)
     starts = count(marks, "start")
@@ -103,13 +103,15 @@ def test_cancel_then_resume_runs_no_finished_trial_again(tmp_path: Path) -> None
 def test_walltime_ends_in_a_follow_up_job_and_the_sweep_completes_unattended(tmp_path: Path) -> None:
     """--time 1 (60 s) for a sweep of about 50 s of trials on 4 GPUs (with start-up, 2-4 jobs): `run` winds
     down before the end, submits a follow-up job, and `submit --wait` follows the sweep to its end; no
-    finished trial runs again."""
+    finished trial runs again. The trials never checkpoint, so a short checkpoint_grace: with the default
+    (60 s) a 60 s job winds down half-way, and on a loaded machine, where a job takes 20 s to start its
+    workers, a follow-up job can end before it reaches the trials its sweep still lacks."""
     trials, duration = 40, 5.0
-    site = site_file(tmp_path, "requeue: auto\nwalltime_margin: 15s\n")
+    site = site_file(tmp_path, "requeue: auto\nwalltime_margin: 15s\ncheckpoint_grace: 5s\n")
     done = hpcg(["submit", "--site", str(site), "--nodes", "2", "--gpus-per-node", "2", "--time", "1", "--wait",
                  str(SWEEP), "--trials", str(trials), "--duration", str(duration), "--marks", str(tmp_path / "marks"),
                  "--out", str(tmp_path / "out.json")], tmp_path, timeout=600)
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.returncode == 0, done.stdout + done.stderr + job_logs(tmp_path / "runs")
     assert re.search(r"the sweep continues in job \d+", done.stdout), done.stdout
     # --wait shows the sweep's trials across its jobs, and at the end all are done and none is to go
     last = done.stdout.strip().splitlines()[-1]

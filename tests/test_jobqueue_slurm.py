@@ -54,6 +54,19 @@ def worker_jobs(run_dir: Path) -> dict:
     return json.loads((run_dir / "worker-jobs.json").read_text())
 
 
+def wait_submitted(run_dir: Path, jobs: int, timeout: float = 60) -> None:
+    """Until the run's record holds `jobs` worker job ids (sbatch answered: the jobs are in the queue)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if len([j for j in worker_jobs(run_dir)["jobs"] if j["job_id"]]) >= jobs:
+                return
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"{jobs} worker jobs not submitted after {timeout} s (see {run_dir})")
+
+
 def hpcg_run(site: str, command: list[str], env: dict[str, str], cwd: Path,
              timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run([PY, "-m", "hpc_garage", "run", "--site", site, "--", *command], capture_output=True,
@@ -184,6 +197,8 @@ def test_nothing_is_left_in_the_queue_after_a_failed_or_interrupted_run(tmp_path
     for line in proc.stderr:
         lines.append(line)
         if when and when in line:
+            if when == "worker jobs:":  # the line comes before the first scaling step submits them
+                wait_submitted(run_dir_of(line), 2)
             time.sleep(0.3)
             proc.send_signal(how)  # type: ignore[arg-type]
             break

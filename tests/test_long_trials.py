@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import DATA, outside_job_env
-from tests.slurm_jobs import wait_gone
+from tests.slurm_jobs import job_logs, wait_gone
 from tests.test_durable import hpcg, site_file, sweep_record
 
 SWEEP = DATA / "long_trials.py"
@@ -49,7 +49,7 @@ def test_trials_longer_than_the_walltime_are_continued_across_jobs(tmp_path: Pat
     several jobs, and each interruption loses at most 15 s of a trial's work."""
     done = submit_long(tmp_path, site_file(tmp_path, LONG_SITE), 150, 10, "--time", "1", "--wait", timeout=1500)
     print(done.stdout)
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.returncode == 0, done.stdout + done.stderr + job_logs(tmp_path / "runs")
     assert json.loads((tmp_path / "out.json").read_text())["result"] == 1
     jobs = sweep_record(tmp_path)["epochs"]["1"]["jobs"]
     assert len(jobs) >= 3, jobs
@@ -85,7 +85,7 @@ def test_trials_that_never_checkpoint_end_the_chain_with_the_reason(tmp_path: Pa
 def test_a_warning_signal_then_cancel_and_resume_continue_from_the_checkpoint(tmp_path: Path) -> None:
     site = site_file(tmp_path, "warning_signal: USR1@40\ncheckpoint_grace: 10s\n")
     done = submit_long(tmp_path, site, 60, 5, "--time", "10")
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.returncode == 0, done.stdout + done.stderr + job_logs(tmp_path / "runs")
     job = re.search(r"submitted job (\S+)", done.stdout).group(1)
     marks = tmp_path / "marks"
     deadline = time.monotonic() + 240
@@ -96,7 +96,7 @@ def test_a_warning_signal_then_cancel_and_resume_continue_from_the_checkpoint(tm
     first = attempts(marks)
     assert all(1 <= len(r) for r in first.values()) and len(first) == 2, first
     resumed = hpcg(["resume", job, "--site", str(site), "--wait"], tmp_path, timeout=400)
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr + job_logs(tmp_path / "runs")
     assert json.loads((tmp_path / "out.json").read_text())["result"] == 1
     for runs in attempts(marks).values():
         assert len(runs) == 2 and runs[1]["from"] >= runs[0]["step"] - 5 and runs[1]["from"] > 0, runs
@@ -112,7 +112,7 @@ def test_a_warning_signal_then_cancel_and_resume_continue_from_the_checkpoint(tm
     assert hpcg(["cancel", job, "--site", str(site)], tmp_path).returncode == 0
     wait_gone(job, 120)
     resumed = hpcg(["resume", job, "--site", str(site), "--wait"], tmp_path, timeout=400)
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr + job_logs(tmp_path / "runs")
     assert all(attempts(marks)[i][-1]["from"] >= 10 for i in before), attempts(marks)
 
 
@@ -122,7 +122,7 @@ def test_cancel_gives_the_trials_their_grace_and_submits_no_follow_up(tmp_path: 
     `resume` continues from the checkpoints the stop saved."""
     site = site_file(tmp_path, "requeue: auto\ncheckpoint_grace: 20s\n")
     done = submit_long(tmp_path, site, 45, 30, "--time", "10")
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.returncode == 0, done.stdout + done.stderr + job_logs(tmp_path / "runs")
     job = re.search(r"submitted job (\S+)", done.stdout).group(1)
     marks = tmp_path / "marks"
     deadline = time.monotonic() + 240
@@ -147,7 +147,7 @@ def test_cancel_gives_the_trials_their_grace_and_submits_no_follow_up(tmp_path: 
     logs = "".join(p.read_text() for p in (tmp_path / "runs").glob(f"*{job}*.out"))
     assert "no follow-up job: the job is being cancelled" in logs, logs
     resumed = hpcg(["resume", job, "--site", str(site), "--wait"], tmp_path, timeout=400)
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr + job_logs(tmp_path / "runs")
     assert json.loads((tmp_path / "out.json").read_text())["result"] == 1
     saved = {s["step"] for s in stopped}
     for runs in attempts(marks).values():
@@ -167,7 +167,7 @@ def test_the_same_script_runs_on_a_login_node_and_outside_hpc_garage(tmp_path: P
         done = subprocess.run(["python3", "-m", "hpc_garage", "run", "--site", str(site), "--sweep", "same", *extra,
                                "--", "python3", *args(duration), "--out", str(tmp_path / "a.json")],
                               capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
-        assert done.returncode == 0, done.stdout + done.stderr
+        assert done.returncode == 0, done.stdout + done.stderr + job_logs(tmp_path / "runs")
 
     run()
     checkpoints = tmp_path / "runs" / "sweeps" / "same" / "1" / ".checkpoints"
