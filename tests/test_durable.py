@@ -68,6 +68,17 @@ def wait_done(marks: Path, n: int, timeout: float = 120) -> set[int]:
     raise AssertionError(f"fewer than {n} trials finished after {timeout} s")
 
 
+def wait_running(marks: Path, timeout: float = 60) -> set[tuple[int, int]]:
+    """(trial, pid) of the trials started and not done, once there is one (between two trials a worker runs
+    none: on a loaded machine that gap is a second or more)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if running := set(marks_of(marks, "start")) - set(marks_of(marks, "done")):
+            return running
+        time.sleep(0.05)
+    raise AssertionError(f"no trial running for {timeout} s")
+
+
 def check_result(out: Path, trials: int) -> None:
     assert json.loads(out.read_text())["result"] == sum(i * i for i in range(trials))
 
@@ -168,9 +179,7 @@ def test_a_worker_killed_mid_trial_loses_no_result_and_reruns_only_that_trial(tm
     trials = 16
     job, marks, out = submit(tmp_path, site_file(tmp_path), trials, 3.0, "--time", "10")
     wait_done(marks, 5)
-    running = {(i, pid) for i, pid in marks_of(marks, "start")} - set(marks_of(marks, "done"))
-    assert running, "no trial running"
-    victim, pid = sorted(running)[0]
+    victim, pid = sorted(wait_running(marks))[0]
     finished_before = set(count(marks, "done"))
     os.kill(pid, signal.SIGKILL)
     final = wait_gone(job, 240)

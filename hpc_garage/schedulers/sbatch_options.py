@@ -309,7 +309,10 @@ def site_for(call: SbatchCall) -> str:
             by_queue.setdefault(site.queue, []).append(name)
     matches = by_queue.get(partition, [])
     if len(matches) > 1:  # several sites name this partition: keep those shaped like its real nodes
-        shapes = _partition_shapes(partition)
+        try:
+            shapes = _partition_shapes(partition)
+        except UserError:  # sinfo cannot tell them apart (no controller): the choice below is the user's
+            shapes = set()
         fitting = [n for n in matches if (load_site(n).node.cores, load_site(n).node.gpus) in shapes]
         matches = fitting if len(fitting) == 1 else matches
     if len(matches) == 1:
