@@ -362,9 +362,12 @@ def test_a_bad_job_variable_fails_the_flow_run_at_once_in_one_line_and_submits_n
 def test_a_sweep_past_its_walltime_goes_on_in_a_follow_up_job_as_the_same_flow_run(garage: Garage,
                                                                                  tmp_path: Path) -> None:
     """`requeue: auto` and a 60 s walltime (winding down 15 s before) for about 50 s of trials on 4 GPUs: `run`
-    winds down and submits a follow-up job; the worker follows the flow run into it; one flow run COMPLETED."""
+    winds down and submits a follow-up job; the worker follows the flow run into it; one flow run COMPLETED.
+    A short checkpoint_grace (the trials never checkpoint): with the default 60 s, a 60 s job winds down
+    half-way, and a loaded machine's follow-up job can end before it reaches a trial the sweep still lacks."""
     site = tmp_path / "lab-gpu-requeue.yaml"
-    site.write_text((ROOT / "site-configs" / "lab-gpu.yaml").read_text() + "requeue: auto\nwalltime_margin: 15s\n")
+    site.write_text((ROOT / "site-configs" / "lab-gpu.yaml").read_text()
+                    + "requeue: auto\nwalltime_margin: 15s\ncheckpoint_grace: 5s\n")
     out = tmp_path / "sweep.json"
     flow_run_id = garage.run({"seeds": 20, "duration": 5, "out": str(out)},
                              {"site": str(site), "nodes": 2, "gpus_per_node": 2, "time": "1"})
