@@ -165,17 +165,19 @@ def task_runs(flow_run_id: Any, *, settled: int = 0, timeout: float = 30) -> lis
 _exit_status: list[int] = []
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+_config: list[pytest.Config] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _config.append(config)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """A test that pytest-rerunfailures runs again (scripts/test's SLURM shards) prints why it failed first:
     a rerun that passes must still leave the first failure in the log."""
-    outcome = yield
-    report = outcome.get_result()
-    if report.failed and "slurm" in item.keywords and item.config.getoption("reruns", 0):
-        reporter = item.config.pluginmanager.get_plugin("terminalreporter")
-        if reporter is not None:
-            reporter.write_line(f"\n{item.nodeid} failed ({report.when}); run again if reruns are left. Why:")
-            reporter.write_line(report.longreprtext[-6000:])
+    if report.outcome == "rerun" and (reporter := _config[-1].pluginmanager.get_plugin("terminalreporter")):
+        reporter.write_line(f"\n{report.nodeid} failed ({report.when}) and is run again. Why:")
+        reporter.write_line(report.longreprtext[-6000:])
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

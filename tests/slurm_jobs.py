@@ -6,7 +6,25 @@ import re
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def poll(check: Callable[[], T], timeout: float, failed: str, every: float = 0.1) -> T:
+    """`check()`'s first truthy answer within `timeout` s, asked every `every` s; else AssertionError(`failed`).
+    A check that raises OSError or ValueError (a file half-written) counts as no answer yet."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if answer := check():
+                return answer
+        except (OSError, ValueError):
+            pass
+        time.sleep(every)
+    raise AssertionError(failed)
 
 
 def wait_gone(job_id: str, timeout: float = 120) -> str:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import DATA, ROOT, outside_job_env
-from tests.slurm_jobs import exit_code, job_logs, wait_gone
+from tests.slurm_jobs import exit_code, job_logs, poll, wait_gone
 
 SWEEP = DATA / "fault_sweep.py"
 PY = sys.executable
@@ -60,23 +60,18 @@ def count(marks: Path, prefix: str) -> Counter[int]:
 
 
 def wait_done(marks: Path, n: int, timeout: float = 120) -> set[int]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if marks.is_dir() and len(finished := set(count(marks, "done"))) >= n:
-            return finished
-        time.sleep(0.1)
-    raise AssertionError(f"fewer than {n} trials finished after {timeout} s")
+    def finished() -> set[int] | None:
+        done = set(count(marks, "done")) if marks.is_dir() else set()
+        return done if len(done) >= n else None
+
+    return poll(finished, timeout, f"fewer than {n} trials finished after {timeout} s")
 
 
 def wait_running(marks: Path, timeout: float = 60) -> set[tuple[int, int]]:
     """(trial, pid) of the trials started and not done, once there is one (between two trials a worker runs
     none: on a loaded machine that gap is a second or more)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if running := set(marks_of(marks, "start")) - set(marks_of(marks, "done")):
-            return running
-        time.sleep(0.05)
-    raise AssertionError(f"no trial running for {timeout} s")
+    return poll(lambda: set(marks_of(marks, "start")) - set(marks_of(marks, "done")), timeout,
+                f"no trial running for {timeout} s", every=0.05)
 
 
 def check_result(out: Path, trials: int) -> None:

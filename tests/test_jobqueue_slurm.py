@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import DATA, outside_job_env
-from tests.slurm_jobs import QueueWatch
+from tests.slurm_jobs import QueueWatch, poll
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -56,15 +56,8 @@ def worker_jobs(run_dir: Path) -> dict:
 
 def wait_submitted(run_dir: Path, jobs: int, timeout: float = 60) -> None:
     """Until the run's record holds `jobs` worker job ids (sbatch answered: the jobs are in the queue)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if len([j for j in worker_jobs(run_dir)["jobs"] if j["job_id"]]) >= jobs:
-                return
-        except (OSError, ValueError, KeyError):
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"{jobs} worker jobs not submitted after {timeout} s (see {run_dir})")
+    poll(lambda: len([j for j in worker_jobs(run_dir).get("jobs", []) if j.get("job_id")]) >= jobs, timeout,
+         f"{jobs} worker jobs not submitted after {timeout} s (see {run_dir})")
 
 
 def hpcg_run(site: str, command: list[str], env: dict[str, str], cwd: Path,
