@@ -104,6 +104,9 @@ class TrialPruner:
         self._numbers: dict[str, int] = {}  # trial id -> its number in the live study
         self._steps: dict[str, set[int]] = {}  # trial id -> steps the study has (Optuna warns on a repeated one)
         self._ended: dict[str, str] = {}  # trial id -> "pruned", "complete" or "fail"
+        self._rungs = _rungs(pruner)  # successive halving's (first rung's step, reduction factor), or None
+        self._due: dict[str, int] = {}  # trial id -> the rung its next decision is at (successive halving)
+        self._reached: dict[int, int] = {}  # a rung's step -> how many trials were decided at it
         self._journal = self._open_journal(journal, direction) if journal is not None else None
 
     # ---- what the driver asks
@@ -118,11 +121,48 @@ class TrialPruner:
         if state is not None:
             return state == "pruned"
         trial = self._note(trial_id, step, value)
+        if self._rungs is not None and step >= (due := self._due.get(trial_id, self._rungs[0])):
+            for rung in self._rungs_up_to(due, step):
+                self._reached[rung] = self._reached.get(rung, 0) + 1
+            self._due[trial_id] = self.next_decision(step)
         if not trial.should_prune():
             return False
         self._study.tell(trial, state=self._optuna.trial.TrialState.PRUNED)
         self._end(trial_id, "pruned")
         return True
+
+    def next_decision(self, step: int) -> int:
+        """The first step after `step` at which this pruner can stop a trial: a trial waits for the answer to its
+        report only there (trial.report). Successive halving ("asha") prunes only where a trial reaches a rung
+        (steps 1, 4, 16, ...), so its trials wait three times in 30 steps, not 30; any other pruner may decide
+        at every step."""
+        if self._rungs is None:
+            return step + 1
+        rung, factor = self._rungs
+        while rung <= step:
+            rung *= factor
+        return rung
+
+    def rung_due(self, trial_id: str, step: int) -> int | None:
+        """The rung a report at `step` brings the trial to (successive halving decides there), or None."""
+        if self._rungs is None or trial_id in self._ended:
+            return None
+        due = self._due.get(trial_id, self._rungs[0])
+        return due if step >= due else None
+
+    def gathers(self, rung: int, waiting: int) -> bool:
+        """Whether a decision at `rung` should wait for rivals: fewer trials than the reduction factor reached it
+        yet (counting the `waiting` ones). With so few, successive halving promotes whichever is the best so far,
+        so trials started together would be promoted in the order their reports happen to arrive, not on merit."""
+        return self._rungs is not None and self._reached.get(rung, 0) + waiting < self._rungs[1]
+
+    def _rungs_up_to(self, rung: int, step: int) -> list[int]:
+        assert self._rungs is not None
+        rungs = []
+        while rung <= step:
+            rungs.append(rung)
+            rung *= self._rungs[1]
+        return rungs
 
     def finished(self, trial_id: str, value: float | None) -> None:
         """The trial's task ended: complete with its last value of the metric (None: failed)."""
@@ -189,6 +229,11 @@ class TrialPruner:
         for number, (trial_id, frozen) in enumerate(latest.items()):
             self._study.add_trial(frozen)
             self._numbers[trial_id] = number
+            if self._rungs is not None and frozen.intermediate_values:  # the rungs its reports reached
+                last = max(frozen.intermediate_values)
+                for rung in self._rungs_up_to(self._rungs[0], last):
+                    self._reached[rung] = self._reached.get(rung, 0) + 1
+                self._due[trial_id] = self.next_decision(last)
             if frozen.state == states.RUNNING:  # interrupted: its reports continue its Optuna trial
                 self._live[trial_id] = self._optuna.trial.Trial(self._study, self._trial_storage_id(number))
                 self._steps[trial_id] = set(frozen.intermediate_values)
@@ -201,6 +246,18 @@ class TrialPruner:
 
     def _trial_storage_id(self, number: int) -> int:
         return int(self._storage.get_trial_id_from_study_id_trial_number(self._study_id, number))
+
+
+def _rungs(pruner: Any) -> tuple[int, int] | None:
+    """(first rung's step, reduction factor) of a named successive-halving pruner, from the arguments hpc-garage
+    gives it (Optuna's own attributes are private); None for any other pruner, or an instance: every step."""
+    if not isinstance(pruner, str) or PRUNERS[pruner][0] != "SuccessiveHalvingPruner":
+        return None
+    kwargs = PRUNERS[pruner][1]
+    first, factor = kwargs.get("min_resource"), int(kwargs.get("reduction_factor", 4))
+    if not isinstance(first, int) or first < 1 or factor < 2:  # "auto": no rung until a trial completed
+        return None
+    return first * factor ** int(kwargs.get("min_early_stopping_rate", 0)), factor
 
 
 def _optuna(where: str) -> Any:

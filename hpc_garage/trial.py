@@ -63,10 +63,11 @@ __all__ = ["Interrupted", "checkpoint_dir", "on_stop", "report", "should_stop", 
 
 LOCAL_DIR = ".hpc-garage-checkpoints"  # outside hpc-garage: under the current directory
 # With a pruner, a report waits for its decision (as Ray Tune's tune.report does), at most ANSWER_TIMEOUT, but only
-# where the trial's steps are slower than WAIT_ABOVE: a trial reporting faster loses less to one more step than
-# to a round trip per report.
+# at a step where the pruner can stop the trial (every step, or successive halving's rungs: each answer says where
+# next) and where the trial's steps are slower than WAIT_ABOVE: a trial reporting faster loses less to one more
+# step than to a round trip per report.
 WAIT_ABOVE = 0.02  # s since the trial's previous report
-ANSWER_TIMEOUT = 1.0  # s
+ANSWER_TIMEOUT = 3.0  # s: a report held for its rivals at a rung waits up to 1 s (prefect/metrics.py's HOLD_MAX)
 EVENT_REPORTS = 1000  # reports in one event at most: {"reports": [{"trial", "run", "task", "step", ...}, ...]}
 
 
@@ -93,7 +94,8 @@ def report(step: int, **metrics: float) -> None:
     They are kept per trial in the job's run directory (status, the report, Prefect show them) and, with a
     pruner, decide whether the trial goes on: check `should_stop()` after reporting. With a pruner, a trial
     whose steps take WAIT_ABOVE or more waits here for the decision (at most ANSWER_TIMEOUT), as Ray Tune's
-    `tune.report` does, so that a pruned trial runs no step past it; a faster one does not wait. A step reported again
+    `tune.report` does, so that a pruned trial runs no step past it; a faster one does not wait, and no trial
+    waits at a step where its pruner cannot stop it (between successive halving's rungs). A step reported again
     (a trial continued from its checkpoint) is kept, and the pruner keeps its first value. Outside a Dask
     worker this only checks its arguments. A bad step or value is a ValueError naming it.
     """
@@ -111,9 +113,10 @@ def report(step: int, **metrics: float) -> None:
     # a pruner answers: wait for its decision where a step takes longer than a round trip costs, unless this
     # trial was told to stop already (pruned: no more answers) or an answer came too late once
     wait = (stopping.answers() and now - previous >= WAIT_ABOVE and run_id not in _unanswered
-            and stopping.reason(run_id) is None)
-    _outbox.append((worker, {**header, "step": int(step), "time": now, "values": values,
-                             "worker": worker.address, "number": number, "answer": wait}))
+            and stopping.reason(run_id) is None and stopping.waits_at(run_id, int(step)))
+    started = previous or header["started"]  # the trial's step: since its last report, or since it started
+    _outbox.append((worker, {**header, "step": int(step), "time": now, "values": values, "worker": worker.address,
+                             "number": number, "answer": wait, "since": now - started if started else None}))
     global _flush_due
     if not _flush_due:
         _flush_due = True
@@ -210,13 +213,13 @@ def _flush() -> None:
         worker.log_event(REPORT_TOPIC, {"reports": reports})
 
 
-_headers: dict[str, dict[str, str]] = {}  # task run id hex -> what each of its reports says it is
+_headers: dict[str, dict[str, Any]] = {}  # task run id hex -> what each of its reports says it is
 _numbers: dict[str, tuple[int, float]] = {}  # task run id hex -> (its reports so far, when the last was made)
 _unanswered: set[str] = set()  # task run ids hex whose report was not answered within ANSWER_TIMEOUT
 
 
-def _header() -> dict[str, str] | None:
-    """{"trial", "run", "task"} of the current Prefect task run: its sweep-cache key where known (the same in
+def _header() -> dict[str, Any] | None:
+    """{"trial", "run", "task", "started"} of the current Prefect task run: its sweep-cache key where known (the same in
     every job of the epoch), else its task run id; None outside a task run."""
     context = sys.modules.get("prefect.context")
     ctx = context.TaskRunContext.get() if context is not None else None
@@ -230,6 +233,7 @@ def _header() -> dict[str, str] | None:
             _headers.clear()
             _numbers.clear()
             _unanswered.clear()
+        start = getattr(ctx.task_run, "start_time", None)
         header = _headers[run_id] = {"trial": str(known["key"]) if known else run_id, "run": run_id,
-                                     "task": ctx.task.name}
+                                     "task": ctx.task.name, "started": start.timestamp() if start else None}
     return header

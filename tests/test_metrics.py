@@ -130,9 +130,100 @@ def test_numbered_reports_are_answered_where_the_trial_waits_and_the_prune_goes_
     sent = [(f.__name__, args) for f, args, _ in client.runs]
     # answered: reports that wait, and the pruning one (one answer per trial and drained batch: its last);
     # a report of the pruned trial that waits gets "pruned" again
-    assert sent == [("decided", ("run-poor", 4, True))], sent
+    assert sent == [("decided", ("run-poor", 4, True, 4))], sent  # (a median pruner decides at every step)
     assert all(kw["workers"] == ["tcp://w1"] for _, _, kw in client.runs)
     assert client.runs[-1][0] is stopping.decided
+
+
+def numbered(trial: str, step: int, loss: float, since: float | None = 0.2) -> dict[str, Any]:
+    """A report the trial waits on (its step took `since` s), as trial.report sends it with a pruner."""
+    return msg(trial, step, loss=loss) | {"number": step, "answer": True, "since": since}
+
+
+def decisions(client: FakeClient) -> dict[str, bool]:
+    """The run ids answered so far -> whether each was pruned."""
+    return {args[0]: args[2] for _, args, _ in client.runs}
+
+
+def test_trials_reaching_an_asha_rung_together_are_decided_together_the_best_first(tmp_path: Path) -> None:
+    """Successive halving promotes any trial that is the best so far among fewer than its reduction factor (4):
+    trials started together would all pass in the order they happen to arrive. Reports at such a rung wait for
+    their rivals (here the 4th arrival completes the rung) and are decided the best first: one trial goes on."""
+    metrics, client = TrialMetrics("asha", "loss", "min", RunDir(tmp_path)), FakeClient()
+    metrics.start(client)
+    for trial, loss in (("w", 2.4), ("x", 2.0), ("y", 2.2), ("best", 1.8)):  # worst first, best last
+        client.handler((time.time(), {"reports": [numbered(trial, 1, loss)]}))
+    deadline = time.monotonic() + 10
+    while len(client.runs) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert decisions(client) == {"run-w": True, "run-x": True, "run-y": True, "run-best": False}, client.runs
+    assert {args[3] for _, args, _ in client.runs} == {4}  # the next rung: where the survivor waits again
+    # the rung has its 4: a later arrival is decided at once (not held), in the best quarter or pruned
+    client.handler((time.time(), {"reports": [numbered("late", 1, 1.7)]}))
+    while len(client.runs) < 5 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert decisions(client)["run-late"] is False
+    metrics.close()
+    assert json.loads(RunDir(tmp_path).metrics_summary.read_text())["pruned"] == 3
+
+
+def test_without_rivals_a_held_report_is_decided_after_one_of_its_steps(tmp_path: Path) -> None:
+    """A lone trial at a rung waits at most one of its own steps ("since"), HOLD_MAX at most; its end, or the
+    flow's, decides what is held at once."""
+    from hpc_garage.prefect.metrics import HOLD_MAX
+
+    metrics, client = TrialMetrics("asha", "loss", "min", RunDir(tmp_path)), FakeClient()
+    metrics.start(client)
+    sent = time.monotonic()
+    client.handler((time.time(), {"reports": [numbered("alone", 1, 2.0, since=0.15)]}))
+    while not client.runs and time.monotonic() - sent < 10:
+        time.sleep(0.005)
+    waited = time.monotonic() - sent
+    assert decisions(client) == {"run-alone": False} and 0.1 <= waited < 0.15 + 1.0, waited
+    client.runs.clear()
+    sent = time.monotonic()
+    client.handler((time.time(), {"reports": [numbered("alone", 4, 1.0, since=None)]}))  # no step known: HOLD_MAX
+    while not client.runs and time.monotonic() - sent < 10:
+        time.sleep(0.005)
+    waited = time.monotonic() - sent
+    assert decisions(client) == {"run-alone": False} and HOLD_MAX - 0.05 <= waited < HOLD_MAX + 1.0, waited
+    client.runs.clear()
+    client.handler((time.time(), {"reports": [numbered("ends", 1, 0.5, since=30.0)]}))  # held: 1 of 4 at rung 1
+    metrics.ended("run-ends", Done("COMPLETED"))
+    metrics.close()  # (at once: no wait for the hold)
+    assert decisions(client) == {"run-ends": False}  # decided (promoted: the best so far) before its end
+    summary = json.loads(RunDir(tmp_path).metrics_summary.read_text())
+    assert summary["trials"]["ends"]["state"] == "done"
+
+
+def test_a_held_report_waits_for_a_running_rival_its_pace_brings_to_the_rung(tmp_path: Path) -> None:
+    """A trial first at a rung waits (beyond its own short step) for a rival whose pace brings it there soon,
+    and the better of the two goes on: not the one that happened to arrive first."""
+    metrics, client = TrialMetrics("asha", "loss", "min", RunDir(tmp_path)), FakeClient()
+    metrics.start(client)
+
+    def send(trial: str, step: int, loss: float, since: float) -> None:
+        client.handler((time.time(), {"reports": [numbered(trial, step, loss, since)]}))
+
+    for poor in "pqrs":  # rung 1 gets its 4: what follows there is decided at once
+        send(poor, 1, 5.0, 0.1)
+    send("lead", 1, 1.0, 0.1)
+    send("lag", 1, 0.9, 0.1)
+    for step in (2, 3):
+        send("lead", step, 0.9 - step / 10, 0.1)
+    send("lag", 2, 0.8, 0.1)  # 0.1 s a step: at step 4 in about 0.2 s
+    send("lead", 4, 0.5, 0.01)  # first at rung 4; its own step (0.01 s) would not wait for "lag"
+    time.sleep(0.1)
+    send("lag", 3, 0.6, 0.1)
+    time.sleep(0.1)
+    send("lag", 4, 0.3, 0.1)
+    deadline = time.monotonic() + 10
+    while "run-lag" not in decisions(client) or "run-lead" not in decisions(client):
+        assert time.monotonic() < deadline, client.runs
+        time.sleep(0.01)
+    metrics.close()
+    answered = [(args[0], args[1], args[2]) for _, args, _ in client.runs if args[0] in ("run-lead", "run-lag")]
+    assert ("run-lead", 4, True) in answered and ("run-lag", 4, False) in answered, answered
 
 
 def test_a_pruner_answer_wakes_the_waiting_report_and_stops_a_pruned_trial() -> None:
@@ -150,6 +241,12 @@ def test_a_pruner_answer_wakes_the_waiting_report_and_stops_a_pruned_trial() -> 
         assert stopping.reason("r1") == "pruned" and stopping.reason("r2") is None
         stopping.decided("r1", 1, False)  # a late answer to an earlier report moves nothing back
         assert stopping.wait_answer("r1", 2, 0.0) is True
+        # an answer names the step its trial's reports wait at again (successive halving's next rung)
+        assert stopping.waits_at("r2", 0) and stopping.waits_at("r2", 7)  # nothing answered yet: every report
+        stopping.decided("r2", 1, False, 4)
+        assert [stopping.waits_at("r2", s) for s in (2, 3, 4, 5)] == [False, False, True, True]
+        stopping.decided("r2", 2, False)  # (no step named: the next report waits)
+        assert stopping.waits_at("r2", 2)
     finally:
         stopping.reset()
 

@@ -5,11 +5,14 @@ and a trial the study has as pruned pruned again at once."""
 from __future__ import annotations
 
 import builtins
+import random
 import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 optuna = pytest.importorskip("optuna")
 
@@ -108,6 +111,33 @@ def test_the_named_asha_has_a_rung_at_step_1_before_any_trial_finished() -> None
     p = TrialPruner("asha", "min")
     assert p.decide("a", 1, 0.1) is False  # alone at the rung: promoted
     assert p.decide("b", 1, 5.0) is True  # not in the best quarter at step 1 (with "auto": no rung yet, False)
+
+
+def test_the_named_asha_is_waited_for_at_its_rungs_only_and_the_others_at_every_step() -> None:
+    """A trial's report waits for the answer only where the pruner can stop it: the named successive halving's
+    rungs (steps 1, 4, 16, 64 with Ray Tune's ASHA defaults), every step for any other pruner or an instance."""
+    asha = TrialPruner("asha", "min")
+    assert [asha.next_decision(s) for s in (0, 1, 2, 3, 4, 15, 16, 63)] == [1, 4, 4, 4, 16, 16, 64, 64]
+    for other in ("median", "hyperband", optuna.pruners.SuccessiveHalvingPruner(min_resource=1)):
+        assert [TrialPruner(other, "min").next_decision(s) for s in (0, 1, 7)] == [1, 2, 8]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**32 - 1))
+def test_the_named_asha_prunes_nowhere_but_where_it_said_it_would_decide(seed: int) -> None:
+    """Optuna's own successive halving, fed random curves (8 trials x 40 steps, reported in a random order):
+    every trial it prunes is pruned at a step `next_decision` named, so a trial that does not wait elsewhere
+    misses no prune."""
+    rng = random.Random(seed)
+    p = TrialPruner("asha", "min")
+    floors = [rng.uniform(0.0, 2.0) for _ in range(8)]
+    for step in range(40):
+        for trial in rng.sample(range(8), 8):
+            if p.pruned(str(trial)):
+                continue
+            due = p.next_decision(step - 1) if step else 0
+            if p.decide(str(trial), step, floors[trial] + rng.uniform(0.0, 1.0) / (step + 1)):
+                assert step == due, (trial, step, due)
 
 
 def test_asha_prunes_on_its_rungs() -> None:

@@ -22,7 +22,7 @@ from typing import Any
 from hpc_garage.core.sweep import CHECKPOINTS_DIR, TRIALS_DIR
 
 __all__ = ["CHECKPOINTS_DIR", "REPORT_TOPIC", "TRIALS_DIR", "answering", "answers", "any_stop", "decided", "note_trial", "on_stop",
-           "reason", "stop", "stop_trials", "trial", "wait_answer"]
+           "reason", "stop", "stop_trials", "trial", "wait_answer", "waits_at"]
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +98,7 @@ def stop_trials(why: str, run_ids: list[str]) -> dict[str, dict[str, Any]]:
 # a trial with slow steps here waits too (trial.report), so that a pruned trial does not run one more step.
 
 _answered: dict[str, int] = {}  # task run id hex -> the last report number the flow's pruner answered
+_wait_from: dict[str, int] = {}  # task run id hex -> the step from which its reports wait for an answer again
 _answer = threading.Condition(_lock)
 _answering = threading.Event()  # set on every worker of a flow with a pruner (prefect/metrics.py's plugin)
 
@@ -110,22 +111,34 @@ def answering(on: bool) -> None:
         _answering.clear()
 
 
-def decided(run_id: str, number: int, pruned: bool) -> None:
+def decided(run_id: str, number: int, pruned: bool, wait_from: int | None = None) -> None:
     """Run on the trial's worker by the flow's process (Dask's run op): report `number` of task run `run_id`
-    was decided; stop it first where it was pruned."""
+    was decided; stop it first where it was pruned. `wait_from`: the first step at which the pruner can decide
+    again, where the trial's reports wait once more (None: at its next report)."""
     if pruned:
         stop("pruned", trial=run_id)
     with _answer:
         if number > _answered.get(run_id, -1):
             _answered[run_id] = number
-            if len(_answered) > KEEP:
-                _answered.pop(next(iter(_answered)))
+            if wait_from is not None:
+                _wait_from[run_id] = wait_from
+            else:
+                _wait_from.pop(run_id, None)
+            for kept in (_answered, _wait_from):
+                if len(kept) > KEEP:
+                    kept.pop(next(iter(kept)))
         _answer.notify_all()
 
 
 def answers() -> bool:
     """Whether a pruner answers the reports of the trials here."""
     return _answering.is_set()
+
+
+def waits_at(run_id: str, step: int) -> bool:
+    """Whether the trial's report at `step` waits for the pruner's answer: from its first report on, until an
+    answer said from which step the pruner can decide next."""
+    return step >= _wait_from.get(run_id, step)
 
 
 def wait_answer(run_id: str, number: int, timeout: float) -> bool:
@@ -141,5 +154,6 @@ def reset() -> None:
         _callbacks.clear()
         _trials.clear()
         _answered.clear()
+        _wait_from.clear()
         _answering.clear()
         _stopping.clear()

@@ -11,8 +11,12 @@ disk or a pruner never holds up the client. It:
 - with a pruner (`task_runner(pruner=..., metric=...)`), gives it the metric at every report and answers the
   reports a trial waits on (trial.report: a trial whose steps are slow waits for the decision, as under Ray
   Tune; a worker plugin tells every worker that answers come), through Dask's `run` op on that one worker
-  (`stopping.decided`), which stops a pruned trial first; the trial sees `should_stop()` and returns. A trial the epoch's study already has as pruned (a rerun after its job
-  ended) is stopped at its first report;
+  (`stopping.decided`), which stops a pruned trial first; the trial sees `should_stop()` and returns. The
+  answer names the step the trial waits at next (successive halving's next rung). A report that reaches a
+  rung fewer trials than the reduction factor have reached is held for its rivals (one of its steps, or until
+  the running trials expected there soon arrive; HOLD_MAX at most), then the held ones are decided the best
+  first. A trial the epoch's study already has as pruned (a
+  rerun after its job ended) is stopped at its first report;
 - notes each trial's end when its task's future does (HpcTaskRunner hands it over): "done", "failed", or
   "interrupted" (its job ended first: Prefect's Crashed); a pruned trial stays "pruned".
 Without a run directory (plain python) nothing is written; without a pruner nothing is decided.
@@ -46,6 +50,8 @@ logger = logging.getLogger(__name__)
 FLUSH_EVERY = 1.0  # s: the files are brought up to date at most this often (and at the end)
 BATCH = 10_000  # reports drained at once at most (the pruner decides at every one)
 SENDERS = 2  # threads sending the pruner's answers and stops to the workers
+HOLD_MAX = 1.0  # s a report at a rung with few trials on it waits for its rivals at most
+ARRIVAL_SLACK = 0.25  # of a rival's step: how much later than its pace says it may reach the rung
 CLOSE_TIMEOUT = 30.0  # s the flow waits at its end for the last reports to be written
 FINAL_STATES = {"COMPLETED": "done", "CRASHED": "interrupted"}  # Prefect state of the task -> the trial's; else failed
 
@@ -70,6 +76,12 @@ class TrialMetrics:
         self._ended_early: OrderedDict[str, float] = OrderedDict()  # task run id -> when it ended, unreported yet
         self._stopped: set[str] = set()  # task run ids told to stop
         self._sender: ThreadPoolExecutor | None = None  # sends stops and answers to the workers
+        self._held: list[dict[str, Any]] = []  # reports at a rung waiting for their rivals (successive halving)
+        self._held_runs: set[str] = set()  # task run ids with a report held
+        self._held_at: dict[int, int] = {}  # a rung's step -> reports held at it
+        self._release_at: float | None = None  # monotonic time the held reports are decided at the latest
+        self._held_since = 0.0  # monotonic time the first of them was held
+        self._pace: dict[str, tuple[float, int, float]] = {}  # trial id -> (its last report here, its step, s/step)
         self._dirty = False
         self._write_failed = False
 
@@ -136,8 +148,9 @@ class TrialMetrics:
         next_flush = time.monotonic() + FLUSH_EVERY
         while True:
             batch: list[tuple[Any, ...]] = []
+            wake = next_flush if self._release_at is None else min(next_flush, self._release_at)
             try:
-                batch.append(self._queue.get(timeout=max(0.0, next_flush - time.monotonic())))
+                batch.append(self._queue.get(timeout=max(0.0, wake - time.monotonic())))
                 while len(batch) < BATCH:
                     batch.append(self._queue.get_nowait())
             except queue.Empty:
@@ -157,19 +170,26 @@ class TrialMetrics:
         """Reports in order, the pruner asked at each one: ASHA and Hyperband record a trial's value at a rung
         as the value they are asked with, so a later step's (lower) loss must never stand in for a rung's.
         Then each trial waiting for its answer (trial.report) gets it: its last report's, one Dask run op."""
-        answers: dict[str, tuple[str | None, int, bool]] = {}
+        answers: dict[str, tuple[str | None, int, bool, int]] = {}
         for item in batch:
             if item[0] == "reports":
                 for msg in item[1]:
                     self._report(msg, answers)
             elif item[0] == "end":
+                if item[1] in self._held_runs:  # its held reports first: the pruner learns of its end after them
+                    self._release(answers)
                 self._end(item[1], item[2], item[3])
-        for run_id, (worker, number, pruned) in answers.items():
-            self._answer(run_id, worker, number, pruned)
+            elif item[0] == "close":
+                self._release(answers)
+        if self._release_at is not None and time.monotonic() >= self._release_at:
+            self._release(answers)
+        for run_id, (worker, number, pruned, wait_from) in answers.items():
+            self._answer(run_id, worker, number, pruned, wait_from)
 
-    def _answer(self, run_id: str, worker: str | None, number: int, pruned: bool) -> None:
-        """Tell the trial's worker that report `number` was decided, stopping the trial where it was pruned."""
-        self._send(worker, stopping.decided, run_id, number, pruned)
+    def _answer(self, run_id: str, worker: str | None, number: int, pruned: bool, wait_from: int) -> None:
+        """Tell the trial's worker that report `number` was decided, stopping the trial where it was pruned, and
+        from which step its reports wait for an answer again (the pruner's next possible decision)."""
+        self._send(worker, stopping.decided, run_id, number, pruned, wait_from)
 
     def _send(self, worker: str | None, function: Any, *args: Any, **kwargs: Any) -> None:
         """Run `function` on the trial's worker (Dask's run op), from a thread of its own: the drain thread
@@ -186,11 +206,12 @@ class TrialMetrics:
 
         self._sender.submit(send)
 
-    def _report(self, msg: dict[str, Any], answers: dict[str, tuple[str | None, int, bool]]) -> None:
+    def _report(self, msg: dict[str, Any], answers: dict[str, tuple[str | None, int, bool, int]]) -> None:
         trial_id, run_id, step, values = str(msg["trial"]), str(msg["run"]), int(msg["step"]), msg["values"]
         record = self.trials.get(trial_id)
         if record is None or record["run"] != run_id:  # its first report, or a new run of it (a retry)
             record = self._new_run(trial_id, run_id, msg, record)
+        self._note_pace(trial_id, record["last_step"], step, msg.get("since"))
         record["reports"] += 1
         record["last_step"], record["worker"] = step, msg.get("worker")
         record["last"].update(values)
@@ -203,14 +224,79 @@ class TrialMetrics:
             json.dumps({"step": step, "time": msg.get("time"), "values": values}))
         self._dirty = True
         if self.pruner is not None and self.metric in values:
-            fresh = record["state"] == "running" and self._decide(trial_id, step, values[self.metric])
-            pruned, number = record["state"] == "pruned", msg.get("number")
-            if isinstance(number, int) and (fresh or msg.get("answer")):
-                answers[run_id] = (msg.get("worker"), number, pruned)  # the trial waits for it, or must stop
-            elif fresh:  # a report without a number (an older worker): the stop alone
-                self._send(msg.get("worker"), stopping.stop, "pruned", trial=run_id)
+            rung = self.pruner.rung_due(trial_id, step) if record["state"] == "running" else None
+            if run_id in self._held_runs:  # its earlier report waits for rivals: this one after it
+                self._hold(msg, None)
+                return
+            if rung is not None and self.pruner.gathers(rung, 0):
+                self._hold(msg, rung)
+                if not self.pruner.gathers(rung, self._held_at[rung]):  # enough rivals: decide them now
+                    self._release(answers)
+                return
+            self._prune(trial_id, record, msg, answers)
         if (ended := self._ended_early.pop(run_id, None)) is not None:
             self._finish(trial_id, "done", ended)
+
+    def _prune(self, trial_id: str, record: dict[str, Any], msg: dict[str, Any],
+               answers: dict[str, tuple[str | None, int, bool, int]]) -> None:
+        """Ask the pruner about one report; answer it where the trial waits, or stop the trial it prunes."""
+        assert self.pruner is not None and self.metric is not None
+        run_id, step = str(msg["run"]), int(msg["step"])
+        fresh = record["state"] == "running" and self._decide(trial_id, step, msg["values"][self.metric])
+        pruned, number = record["state"] == "pruned", msg.get("number")
+        if isinstance(number, int) and (fresh or msg.get("answer")):
+            # the trial waits for it, or must stop; it waits again only where the pruner can decide next
+            answers[run_id] = (msg.get("worker"), number, pruned, self.pruner.next_decision(step))
+        elif fresh:  # a report without a number (an older worker): the stop alone
+            self._send(msg.get("worker"), stopping.stop, "pruned", trial=run_id)
+
+    def _note_pace(self, trial_id: str, last_step: int | None, step: int, since: Any) -> None:
+        """When the trial reported (here), at which step, and its seconds per step: when it reaches a rung."""
+        if not isinstance(since, (int, float)) or since < 0:
+            return
+        steps = step - last_step if last_step is not None else max(step, 1)
+        if steps > 0:
+            self._pace[trial_id] = (time.monotonic(), step, since / steps)
+
+    def _hold(self, msg: dict[str, Any], rung: int | None) -> None:
+        """Keep a report that reaches a rung with few trials on it, so that the trials reaching it together are
+        decided together, the best first: for one of its trial's steps, or until the running trials expected
+        at the rung within HOLD_MAX arrive (from their pace); HOLD_MAX after the first held report at most."""
+        now = time.monotonic()
+        trial_id = str(msg["trial"])
+        if not self._held:
+            self._held_since = now
+        self._held.append(msg)
+        self._held_runs.add(str(msg["run"]))
+        since = msg.get("since")
+        deadline = now + (min(HOLD_MAX, since) if isinstance(since, (int, float)) and since >= 0 else HOLD_MAX)
+        if rung is not None:
+            self._held_at[rung] = self._held_at.get(rung, 0) + 1
+            for rival, (seen, step, pace) in self._pace.items():
+                record = self.trials.get(rival)
+                if rival == trial_id or record is None or record["state"] != "running" or step >= rung:
+                    continue
+                expected = seen + (rung - step) * pace
+                if expected - now <= HOLD_MAX:
+                    deadline = max(deadline, expected + ARRIVAL_SLACK * pace)
+        latest = self._held_since + HOLD_MAX
+        self._release_at = min(latest, deadline if self._release_at is None else max(self._release_at, deadline))
+
+    def _release(self, answers: dict[str, tuple[str | None, int, bool, int]]) -> None:
+        """Decide the held reports: trial by trial, the best value of the metric first, each trial's in order."""
+        held, self._held, self._held_runs, self._held_at, self._release_at = self._held, [], set(), {}, None
+        runs: dict[str, list[dict[str, Any]]] = {}
+        for msg in held:
+            runs.setdefault(str(msg["run"]), []).append(msg)
+        sign = 1.0 if self.mode == "min" else -1.0
+        for run_id, msgs in sorted(runs.items(), key=lambda item: sign * item[1][0]["values"][self.metric]):
+            trial_id = str(msgs[0]["trial"])
+            record = self.trials[trial_id]
+            if record["run"] == run_id:  # (else a newer run of the trial reported meanwhile: this one is over)
+                for msg in msgs:
+                    self._prune(trial_id, record, msg, answers)
+            if (ended := self._ended_early.pop(run_id, None)) is not None:
+                self._finish(trial_id, "done", ended)
 
     def _new_run(self, trial_id: str, run_id: str, msg: dict[str, Any],
                  earlier: dict[str, Any] | None) -> dict[str, Any]:
@@ -262,6 +348,7 @@ class TrialMetrics:
     def _finish(self, trial_id: str, state: str, when: float) -> None:
         record = self.trials[trial_id]
         record["ended"] = when
+        self._pace.pop(trial_id, None)
         self._dirty = True
         if record["state"] == "pruned":
             return
