@@ -127,7 +127,8 @@ class TrialPruner:
             self._due[trial_id] = self.next_decision(step)
         if not trial.should_prune():
             return False
-        self._study.tell(trial, state=self._optuna.trial.TrialState.PRUNED)
+        with _quiet(self._optuna):
+            self._study.tell(trial, state=self._optuna.trial.TrialState.PRUNED)
         self._end(trial_id, "pruned")
         return True
 
@@ -142,6 +143,11 @@ class TrialPruner:
         while rung <= step:
             rung *= factor
         return rung
+
+    @property
+    def first_rung(self) -> int | None:
+        """Successive halving's first rung (a step), or None."""
+        return self._rungs[0] if self._rungs is not None else None
 
     def rung_due(self, trial_id: str, step: int) -> int | None:
         """The rung a report at `step` brings the trial to (successive halving decides there), or None."""
@@ -170,10 +176,12 @@ class TrialPruner:
             return
         state = self._optuna.trial.TrialState
         if value is not None and math.isfinite(value):
-            self._study.tell(self._live[trial_id], value)
+            with _quiet(self._optuna):
+                self._study.tell(self._live[trial_id], value)
             self._end(trial_id, "complete")
         else:
-            self._study.tell(self._live[trial_id], state=state.FAIL)
+            with _quiet(self._optuna):
+                self._study.tell(self._live[trial_id], state=state.FAIL)
             self._end(trial_id, "fail")
 
     def interrupted(self, trial_id: str) -> None:
@@ -284,13 +292,23 @@ def _describe(pruner: Any) -> str:
 
 
 class _quiet(warnings.catch_warnings):
-    """Optuna's ExperimentalWarning (a storage or pruner feature it still calls experimental) says nothing to
-    a user of hpc-garage, who did not call that feature: the one place it is silenced."""
+    """Optuna's ExperimentalWarning (a storage or pruner feature it still calls experimental) and its INFO lines
+    ("A new study created in memory", "Trial 3 pruned.") say nothing to a user of hpc-garage, who did not call
+    Optuna: the one place they are silenced, for hpc-garage's own calls only (the flow's log keeps its own
+    "pruned trial ..." line)."""
 
     def __init__(self, optuna: Any) -> None:
         super().__init__()
         self._category = optuna.exceptions.ExperimentalWarning
+        self._logger = logging.getLogger("optuna")
+        self._level = logging.NOTSET
 
     def __enter__(self) -> None:
         super().__enter__()
         warnings.simplefilter("ignore", self._category)
+        self._level = self._logger.level
+        self._logger.setLevel(max(self._level, logging.WARNING))
+
+    def __exit__(self, *exc: Any) -> None:
+        self._logger.setLevel(self._level)
+        super().__exit__(*exc)

@@ -226,6 +226,24 @@ def test_a_held_report_waits_for_a_running_rival_its_pace_brings_to_the_rung(tmp
     assert ("run-lead", 4, True) in answered and ("run-lag", 4, False) in answered, answered
 
 
+def test_at_the_first_rung_a_report_waits_for_tasks_in_flight_that_have_not_reported(tmp_path: Path) -> None:
+    """Trials started together do not start at the same instant: the first at the first rung waits (up to
+    HOLD_MAX, not only its own step) while submitted tasks have not reported yet, and the best goes on."""
+    metrics, client = TrialMetrics("asha", "loss", "min", RunDir(tmp_path)), FakeClient()
+    metrics.start(client)
+    for run in ("run-early", "run-late"):
+        metrics.submitted(run)
+    client.handler((time.time(), {"reports": [numbered("early", 1, 2.4, since=0.05)]}))
+    time.sleep(0.3)  # six of its steps later
+    client.handler((time.time(), {"reports": [numbered("late", 1, 1.8, since=0.05)]}))
+    deadline = time.monotonic() + 10
+    while len(decisions(client)) < 2:
+        assert time.monotonic() < deadline, client.runs
+        time.sleep(0.01)
+    metrics.close()
+    assert decisions(client) == {"run-early": True, "run-late": False}
+
+
 def test_a_pruner_answer_wakes_the_waiting_report_and_stops_a_pruned_trial() -> None:
     import threading
 

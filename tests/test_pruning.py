@@ -195,3 +195,22 @@ def test_every_task_runner_call_with_a_pruner_in_the_readme_and_the_guide_is_acc
     for call in calls:
         kwargs = {k.arg: ast.literal_eval(k.value) for k in ast.parse(f"f({call})").body[0].value.keywords}
         check_settings(kwargs.get("pruner"), kwargs.get("metric"), kwargs.get("mode", "min"))
+
+
+def test_optunas_info_lines_stay_out_of_the_flows_log_and_the_users_own_study_keeps_them(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """"A new study created in memory" and "Trial N pruned." are about hpc-garage's own study, not the user's:
+    silenced for its calls, while a study of the user's (examples/optuna_ask_tell.py) still logs as Optuna does."""
+    import logging
+
+    optuna.logging.enable_propagation()
+    try:
+        with caplog.at_level(logging.INFO, logger="optuna"):
+            p = TrialPruner("asha", "min")
+            assert p.decide("a", 1, 1.0) is False and p.decide("b", 1, 2.0) is True
+            p.finished("a", 0.5)
+            assert [r.getMessage() for r in caplog.records if r.name.startswith("optuna")] == []
+            optuna.create_study()
+            assert any("A new study created" in r.getMessage() for r in caplog.records)
+    finally:
+        optuna.logging.disable_propagation()

@@ -13,9 +13,9 @@ disk or a pruner never holds up the client. It:
   Tune; a worker plugin tells every worker that answers come), through Dask's `run` op on that one worker
   (`stopping.decided`), which stops a pruned trial first; the trial sees `should_stop()` and returns. The
   answer names the step the trial waits at next (successive halving's next rung). A report that reaches a
-  rung fewer trials than the reduction factor have reached is held for its rivals (one of its steps, or until
-  the running trials expected there soon arrive; HOLD_MAX at most), then the held ones are decided the best
-  first. A trial the epoch's study already has as pruned (a
+  rung fewer trials than the reduction factor have reached is held for its rivals (one of its steps, until
+  the running trials expected there soon arrive, or, at the first rung while submitted tasks have not reported
+  yet, until the rung has its share; HOLD_MAX at most), then the held ones are decided the best first. A trial the epoch's study already has as pruned (a
   rerun after its job ended) is stopped at its first report;
 - notes each trial's end when its task's future does (HpcTaskRunner hands it over): "done", "failed", or
   "interrupted" (its job ended first: Prefect's Crashed); a pruned trial stays "pruned".
@@ -81,6 +81,7 @@ class TrialMetrics:
         self._held_at: dict[int, int] = {}  # a rung's step -> reports held at it
         self._release_at: float | None = None  # monotonic time the held reports are decided at the latest
         self._held_since = 0.0  # monotonic time the first of them was held
+        self._in_flight: set[str] = set()  # task run ids submitted and not ended (with a pruner)
         self._pace: dict[str, tuple[float, int, float]] = {}  # trial id -> (its last report here, its step, s/step)
         self._dirty = False
         self._write_failed = False
@@ -115,6 +116,11 @@ class TrialMetrics:
         client.subscribe_topic(REPORT_TOPIC, lambda event: put(("reports", event[1].get("reports", ()))))
         if self.pruner is not None:  # the trials' reports wait for its answers, on every worker, later ones too
             client.register_plugin(PrunerAnswers(), name=PrunerAnswers.name)
+
+    def submitted(self, run_id: str) -> None:
+        """A task was submitted (the flow's thread): in flight until it ends, a rival at the first rung."""
+        if self._thread is not None and self.pruner is not None:
+            self._queue.put(("submit", run_id))
 
     def ended(self, run_id: str, future: Any) -> None:
         """A task's future is done (the client's event loop calls this: it only enqueues)."""
@@ -175,7 +181,10 @@ class TrialMetrics:
             if item[0] == "reports":
                 for msg in item[1]:
                     self._report(msg, answers)
+            elif item[0] == "submit":
+                self._in_flight.add(item[1])
             elif item[0] == "end":
+                self._in_flight.discard(item[1])
                 if item[1] in self._held_runs:  # its held reports first: the pruner learns of its end after them
                     self._release(answers)
                 self._end(item[1], item[2], item[3])
@@ -272,6 +281,8 @@ class TrialMetrics:
         deadline = now + (min(HOLD_MAX, since) if isinstance(since, (int, float)) and since >= 0 else HOLD_MAX)
         if rung is not None:
             self._held_at[rung] = self._held_at.get(rung, 0) + 1
+            if self.pruner is not None and rung == self.pruner.first_rung and not self._in_flight <= self._runs.keys():
+                deadline = now + HOLD_MAX  # tasks in flight have not reported yet: trials that started with it
             for rival, (seen, step, pace) in self._pace.items():
                 record = self.trials.get(rival)
                 if rival == trial_id or record is None or record["state"] != "running" or step >= rung:

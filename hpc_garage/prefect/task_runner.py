@@ -229,6 +229,7 @@ class HpcTaskRunner(DaskTaskRunner):
         future.wrapped_future.add_done_callback(lambda f: f.status == "finished" and finished.append(run_id))
         if metrics is not None:  # the trial's end: its state in trials.json, its last value to the pruner
             hex_id = run_id.hex if hasattr(run_id, "hex") else str(run_id)
+            metrics.submitted(hex_id)
             future.wrapped_future.add_done_callback(lambda f: metrics.ended(hex_id, f))
         return future
 
