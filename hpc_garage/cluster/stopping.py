@@ -21,8 +21,8 @@ from typing import Any
 
 from hpc_garage.core.sweep import CHECKPOINTS_DIR, TRIALS_DIR
 
-__all__ = ["CHECKPOINTS_DIR", "REPORT_TOPIC", "TRIALS_DIR", "answering", "answers", "any_stop", "decided", "note_trial", "on_stop",
-           "reason", "stop", "stop_trials", "trial", "wait_answer", "waits_at"]
+__all__ = ["CHECKPOINTS_DIR", "REPORT_TOPIC", "TRIALS_DIR", "answering", "answers", "any_stop", "decided",
+           "note_trial", "on_stop", "reason", "stop", "stop_trials", "trial", "wait_answer", "waits_at"]
 
 logger = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ disk or a pruner never holds up the client. It:
   answer names the step the trial waits at next (successive halving's next rung). A report that reaches a
   rung fewer trials than the reduction factor have reached is held for its rivals (one of its steps, until
   the running trials expected there soon arrive, or, at the first rung while submitted tasks have not reported
-  yet, until the rung has its share; HOLD_MAX at most), then the held ones are decided the best first. A trial the epoch's study already has as pruned (a
-  rerun after its job ended) is stopped at its first report;
+  yet, until the rung has its share; HOLD_MAX at most), then the held ones are decided the best first. A
+  trial the epoch's study already has as pruned (a rerun after its job ended) is stopped at its first report;
 - notes each trial's end when its task's future does (HpcTaskRunner hands it over): "done", "failed", or
   "interrupted" (its job ended first: Prefect's Crashed); a pruned trial stays "pruned".
 Without a run directory (plain python) nothing is written; without a pruner nothing is decided.
