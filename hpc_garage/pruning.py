@@ -15,11 +15,12 @@ interrupted trial continues its Optuna trial (its reports so far, ASHA's rungs).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -121,10 +122,8 @@ class TrialPruner:
         if state is not None:
             return state == "pruned"
         trial = self._note(trial_id, step, value)
-        if self._rungs is not None and step >= (due := self._due.get(trial_id, self._rungs[0])):
-            for rung in self._rungs_up_to(due, step):
-                self._reached[rung] = self._reached.get(rung, 0) + 1
-            self._due[trial_id] = self.next_decision(step)
+        if (due := self.rung_due(trial_id, step)) is not None:
+            self._reach(trial_id, due, step)
         if not trial.should_prune():
             return False
         with _quiet(self._optuna):
@@ -139,10 +138,7 @@ class TrialPruner:
         at every step."""
         if self._rungs is None:
             return step + 1
-        rung, factor = self._rungs
-        while rung <= step:
-            rung *= factor
-        return rung
+        return next(rung for rung in self._rungs_from(self._rungs[0]) if rung > step)
 
     @property
     def first_rung(self) -> int | None:
@@ -162,13 +158,19 @@ class TrialPruner:
         so trials started together would be promoted in the order their reports happen to arrive, not on merit."""
         return self._rungs is not None and self._reached.get(rung, 0) + waiting < self._rungs[1]
 
-    def _rungs_up_to(self, rung: int, step: int) -> list[int]:
+    def _rungs_from(self, rung: int) -> Iterator[int]:
+        """Successive halving's rungs from `rung` on: rung, rung x factor, ... (endless)."""
         assert self._rungs is not None
-        rungs = []
-        while rung <= step:
-            rungs.append(rung)
+        while True:
+            yield rung
             rung *= self._rungs[1]
-        return rungs
+
+    def _reach(self, trial_id: str, due: int, step: int) -> None:
+        """A report at `step` brought the trial to its rung `due` and every rung up to `step`: count it there,
+        and note the rung its next decision is at."""
+        for rung in itertools.takewhile(lambda rung: rung <= step, self._rungs_from(due)):
+            self._reached[rung] = self._reached.get(rung, 0) + 1
+        self._due[trial_id] = self.next_decision(step)
 
     def finished(self, trial_id: str, value: float | None) -> None:
         """The trial's task ended: complete with its last value of the metric (None: failed)."""
@@ -238,10 +240,7 @@ class TrialPruner:
             self._study.add_trial(frozen)
             self._numbers[trial_id] = number
             if self._rungs is not None and frozen.intermediate_values:  # the rungs its reports reached
-                last = max(frozen.intermediate_values)
-                for rung in self._rungs_up_to(self._rungs[0], last):
-                    self._reached[rung] = self._reached.get(rung, 0) + 1
-                self._due[trial_id] = self.next_decision(last)
+                self._reach(trial_id, self._rungs[0], max(frozen.intermediate_values))
             if frozen.state == states.RUNNING:  # interrupted: its reports continue its Optuna trial
                 self._live[trial_id] = self._optuna.trial.Trial(self._study, self._trial_storage_id(number))
                 self._steps[trial_id] = set(frozen.intermediate_values)

@@ -66,7 +66,7 @@ LOCAL_DIR = ".hpc-garage-checkpoints"  # outside hpc-garage: under the current d
 # at a step where the pruner can stop the trial (every step, or successive halving's rungs: each answer says where
 # next) and where the trial's steps are slower than WAIT_ABOVE: a trial reporting faster loses less to one more
 # step than to a round trip per report.
-WAIT_ABOVE = 0.02  # s since the trial's previous report
+WAIT_ABOVE = 0.02  # s since the trial's previous report (or since it started)
 ANSWER_TIMEOUT = 3.0  # s: a report held for its rivals at a rung waits up to 1 s (prefect/metrics.py's HOLD_MAX)
 EVENT_REPORTS = 1000  # reports in one event at most: {"reports": [{"trial", "run", "task", "step", ...}, ...]}
 
@@ -114,9 +114,8 @@ def report(step: int, **metrics: float) -> None:
     # trial was told to stop already (pruned: no more answers) or an answer came too late once
     wait = (stopping.answers() and now - previous >= WAIT_ABOVE and run_id not in _unanswered
             and stopping.reason(run_id) is None and stopping.waits_at(run_id, int(step)))
-    started = previous or header["started"]  # the trial's step: since its last report, or since it started
     _outbox.append((worker, {**header, "step": int(step), "time": now, "values": values, "worker": worker.address,
-                             "number": number, "answer": wait, "since": now - started if started else None}))
+                             "number": number, "answer": wait, "since": now - previous if previous else None}))
     global _flush_due
     if not _flush_due:
         _flush_due = True
@@ -213,13 +212,14 @@ def _flush() -> None:
         worker.log_event(REPORT_TOPIC, {"reports": reports})
 
 
-_headers: dict[str, dict[str, Any]] = {}  # task run id hex -> what each of its reports says it is
-_numbers: dict[str, tuple[int, float]] = {}  # task run id hex -> (its reports so far, when the last was made)
+_headers: dict[str, dict[str, str]] = {}  # task run id hex -> what each of its reports says it is
+# task run id hex -> (its reports so far, when the last was made or, before the first, when the task started)
+_numbers: dict[str, tuple[int, float]] = {}
 _unanswered: set[str] = set()  # task run ids hex whose report was not answered within ANSWER_TIMEOUT
 
 
-def _header() -> dict[str, Any] | None:
-    """{"trial", "run", "task", "started"} of the current Prefect task run: its sweep-cache key where known (the same in
+def _header() -> dict[str, str] | None:
+    """{"trial", "run", "task"} of the current Prefect task run: its sweep-cache key where known (the same in
     every job of the epoch), else its task run id; None outside a task run."""
     context = sys.modules.get("prefect.context")
     ctx = context.TaskRunContext.get() if context is not None else None
@@ -233,7 +233,8 @@ def _header() -> dict[str, Any] | None:
             _headers.clear()
             _numbers.clear()
             _unanswered.clear()
-        start = getattr(ctx.task_run, "start_time", None)
         header = _headers[run_id] = {"trial": str(known["key"]) if known else run_id, "run": run_id,
-                                     "task": ctx.task.name, "started": start.timestamp() if start else None}
+                                     "task": ctx.task.name}
+        start = getattr(ctx.task_run, "start_time", None)  # Prefect's: the task run entered Running
+        _numbers.setdefault(run_id, (0, start.timestamp() if start else 0.0))
     return header

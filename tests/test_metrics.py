@@ -16,6 +16,7 @@ import pytest
 from hpc_garage.prefect.metrics import TrialMetrics
 from hpc_garage.rundir import RunDir
 from hpc_garage.variables import RESULTS_ENV, RUN_DIR_ENV
+from tests.slurm_jobs import poll
 
 optuna = pytest.importorskip("optuna")
 
@@ -145,6 +146,11 @@ def decisions(client: FakeClient) -> dict[str, bool]:
     return {args[0]: args[2] for _, args, _ in client.runs}
 
 
+def answered(client: FakeClient, n: int) -> None:
+    """Until the drain thread sent `n` answers (it decides held reports on its own clock)."""
+    poll(lambda: len(client.runs) >= n, 10, f"fewer than {n} answers after 10 s: {client.runs}", every=0.005)
+
+
 def test_trials_reaching_an_asha_rung_together_are_decided_together_the_best_first(tmp_path: Path) -> None:
     """Successive halving promotes any trial that is the best so far among fewer than its reduction factor (4):
     trials started together would all pass in the order they happen to arrive. Reports at such a rung wait for
@@ -153,15 +159,12 @@ def test_trials_reaching_an_asha_rung_together_are_decided_together_the_best_fir
     metrics.start(client)
     for trial, loss in (("w", 2.4), ("x", 2.0), ("y", 2.2), ("best", 1.8)):  # worst first, best last
         client.handler((time.time(), {"reports": [numbered(trial, 1, loss)]}))
-    deadline = time.monotonic() + 10
-    while len(client.runs) < 4 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    answered(client, 4)
     assert decisions(client) == {"run-w": True, "run-x": True, "run-y": True, "run-best": False}, client.runs
     assert {args[3] for _, args, _ in client.runs} == {4}  # the next rung: where the survivor waits again
     # the rung has its 4: a later arrival is decided at once (not held), in the best quarter or pruned
     client.handler((time.time(), {"reports": [numbered("late", 1, 1.7)]}))
-    while len(client.runs) < 5 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    answered(client, 5)
     assert decisions(client)["run-late"] is False
     metrics.close()
     assert json.loads(RunDir(tmp_path).metrics_summary.read_text())["pruned"] == 3
@@ -176,15 +179,13 @@ def test_without_rivals_a_held_report_is_decided_after_one_of_its_steps(tmp_path
     metrics.start(client)
     sent = time.monotonic()
     client.handler((time.time(), {"reports": [numbered("alone", 1, 2.0, since=0.15)]}))
-    while not client.runs and time.monotonic() - sent < 10:
-        time.sleep(0.005)
+    answered(client, 1)
     waited = time.monotonic() - sent
     assert decisions(client) == {"run-alone": False} and 0.1 <= waited < 0.15 + 1.0, waited
     client.runs.clear()
     sent = time.monotonic()
     client.handler((time.time(), {"reports": [numbered("alone", 4, 1.0, since=None)]}))  # no step known: HOLD_MAX
-    while not client.runs and time.monotonic() - sent < 10:
-        time.sleep(0.005)
+    answered(client, 1)
     waited = time.monotonic() - sent
     assert decisions(client) == {"run-alone": False} and HOLD_MAX - 0.05 <= waited < HOLD_MAX + 1.0, waited
     client.runs.clear()
@@ -217,10 +218,8 @@ def test_a_held_report_waits_for_a_running_rival_its_pace_brings_to_the_rung(tmp
     send("lag", 3, 0.6, 0.1)
     time.sleep(0.1)
     send("lag", 4, 0.3, 0.1)
-    deadline = time.monotonic() + 10
-    while "run-lag" not in decisions(client) or "run-lead" not in decisions(client):
-        assert time.monotonic() < deadline, client.runs
-        time.sleep(0.01)
+    poll(lambda: {"run-lag", "run-lead"} <= decisions(client).keys(), 10, f"not both decided: {client.runs}",
+         every=0.005)
     metrics.close()
     answered = [(args[0], args[1], args[2]) for _, args, _ in client.runs if args[0] in ("run-lead", "run-lag")]
     assert ("run-lead", 4, True) in answered and ("run-lag", 4, False) in answered, answered
@@ -236,10 +235,7 @@ def test_at_the_first_rung_a_report_waits_for_tasks_in_flight_that_have_not_repo
     client.handler((time.time(), {"reports": [numbered("early", 1, 2.4, since=0.05)]}))
     time.sleep(0.3)  # six of its steps later
     client.handler((time.time(), {"reports": [numbered("late", 1, 1.8, since=0.05)]}))
-    deadline = time.monotonic() + 10
-    while len(decisions(client)) < 2:
-        assert time.monotonic() < deadline, client.runs
-        time.sleep(0.01)
+    poll(lambda: len(decisions(client)) >= 2, 10, f"not both decided: {client.runs}", every=0.005)
     metrics.close()
     assert decisions(client) == {"run-early": True, "run-late": False}
 

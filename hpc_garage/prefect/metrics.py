@@ -76,9 +76,9 @@ class TrialMetrics:
         self._ended_early: OrderedDict[str, float] = OrderedDict()  # task run id -> when it ended, unreported yet
         self._stopped: set[str] = set()  # task run ids told to stop
         self._sender: ThreadPoolExecutor | None = None  # sends stops and answers to the workers
-        self._held: list[dict[str, Any]] = []  # reports at a rung waiting for their rivals (successive halving)
-        self._held_runs: set[str] = set()  # task run ids with a report held
-        self._held_at: dict[int, int] = {}  # a rung's step -> reports held at it
+        # reports waiting for their rivals at a rung (successive halving), with that rung (None: a later report of
+        # a trial whose report waits there)
+        self._held: list[tuple[dict[str, Any], int | None]] = []
         self._release_at: float | None = None  # monotonic time the held reports are decided at the latest
         self._held_since = 0.0  # monotonic time the first of them was held
         self._in_flight: set[str] = set()  # task run ids submitted and not ended (with a pruner)
@@ -185,7 +185,7 @@ class TrialMetrics:
                 self._in_flight.add(item[1])
             elif item[0] == "end":
                 self._in_flight.discard(item[1])
-                if item[1] in self._held_runs:  # its held reports first: the pruner learns of its end after them
+                if self._holds(item[1]):  # its held reports first: the pruner learns of its end after them
                     self._release(answers)
                 self._end(item[1], item[2], item[3])
             elif item[0] == "close":
@@ -220,7 +220,8 @@ class TrialMetrics:
         record = self.trials.get(trial_id)
         if record is None or record["run"] != run_id:  # its first report, or a new run of it (a retry)
             record = self._new_run(trial_id, run_id, msg, record)
-        self._note_pace(trial_id, record["last_step"], step, msg.get("since"))
+        if self.pruner is not None and self.pruner.first_rung is not None:  # (what a held report waits for)
+            self._note_pace(trial_id, record["last_step"], step, msg.get("since"))
         record["reports"] += 1
         record["last_step"], record["worker"] = step, msg.get("worker")
         record["last"].update(values)
@@ -234,12 +235,12 @@ class TrialMetrics:
         self._dirty = True
         if self.pruner is not None and self.metric in values:
             rung = self.pruner.rung_due(trial_id, step) if record["state"] == "running" else None
-            if run_id in self._held_runs:  # its earlier report waits for rivals: this one after it
+            if self._holds(run_id):  # its earlier report waits for rivals: this one after it
                 self._hold(msg, None)
                 return
             if rung is not None and self.pruner.gathers(rung, 0):
                 self._hold(msg, rung)
-                if not self.pruner.gathers(rung, self._held_at[rung]):  # enough rivals: decide them now
+                if not self.pruner.gathers(rung, sum(at == rung for _, at in self._held)):  # enough: decide now
                     self._release(answers)
                 return
             self._prune(trial_id, record, msg, answers)
@@ -259,6 +260,10 @@ class TrialMetrics:
         elif fresh:  # a report without a number (an older worker): the stop alone
             self._send(msg.get("worker"), stopping.stop, "pruned", trial=run_id)
 
+    def _holds(self, run_id: str) -> bool:
+        """Whether a report of this task run waits for its rivals (a few at most, and only for a moment)."""
+        return any(str(msg["run"]) == run_id for msg, _ in self._held)
+
     def _note_pace(self, trial_id: str, last_step: int | None, step: int, since: Any) -> None:
         """When the trial reported (here), at which step, and its seconds per step: when it reaches a rung."""
         if not isinstance(since, (int, float)) or since < 0:
@@ -275,12 +280,10 @@ class TrialMetrics:
         trial_id = str(msg["trial"])
         if not self._held:
             self._held_since = now
-        self._held.append(msg)
-        self._held_runs.add(str(msg["run"]))
+        self._held.append((msg, rung))
         since = msg.get("since")
         deadline = now + (min(HOLD_MAX, since) if isinstance(since, (int, float)) and since >= 0 else HOLD_MAX)
         if rung is not None:
-            self._held_at[rung] = self._held_at.get(rung, 0) + 1
             if self.pruner is not None and rung == self.pruner.first_rung and not self._in_flight <= self._runs.keys():
                 deadline = now + HOLD_MAX  # tasks in flight have not reported yet: trials that started with it
             for rival, (seen, step, pace) in self._pace.items():
@@ -295,9 +298,9 @@ class TrialMetrics:
 
     def _release(self, answers: dict[str, tuple[str | None, int, bool, int]]) -> None:
         """Decide the held reports: trial by trial, the best value of the metric first, each trial's in order."""
-        held, self._held, self._held_runs, self._held_at, self._release_at = self._held, [], set(), {}, None
+        held, self._held, self._release_at = self._held, [], None
         runs: dict[str, list[dict[str, Any]]] = {}
-        for msg in held:
+        for msg, _ in held:
             runs.setdefault(str(msg["run"]), []).append(msg)
         sign = 1.0 if self.mode == "min" else -1.0
         for run_id, msgs in sorted(runs.items(), key=lambda item: sign * item[1][0]["values"][self.metric]):
