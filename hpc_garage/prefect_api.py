@@ -22,7 +22,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -31,6 +31,9 @@ from hpc_garage.variables import PREFECT_SERVER_ENV
 __all__ = ["Answer", "ApiError", "PrefectApi", "auth_headers", "no_proxy_for", "proxy_for", "server_host"]
 
 CALL_TIMEOUT = 5.0  # s one call may take, unless the caller says otherwise
+BUSY = (429, 503)  # "busy, ask again": a Prefect server answers 503 for a database error a client can retry on
+BUSY_RETRIES = 5  # as Prefect's own client (PREFECT_CLIENT_MAX_RETRIES' default)
+BUSY_DELAY_MAX = 10.0  # s between two tries at most
 NO_PROXY_NAMES = ("NO_PROXY", "no_proxy")  # both spellings: curl and httpx read either, urllib prefers no_proxy
 
 
@@ -91,9 +94,17 @@ class Answer:
     status: int
     content_type: str
     body: bytes
+    headers: Mapping[str, str] = field(default_factory=dict)  # names in lowercase
 
     def json(self) -> Any:
         return json.loads(self.body or b"null")
+
+    def retry_after(self) -> float | None:
+        """The seconds a Retry-After header asks for (its number form); None where it gives none."""
+        try:
+            return max(float(self.headers.get("retry-after", "")), 0.0)
+        except ValueError:
+            return None
 
 
 class PrefectApi:
@@ -141,23 +152,41 @@ class PrefectApi:
         request = urllib.request.Request(f"{self.url}{path}", data=data, method=method, headers=headers)
         try:
             with self.opener.open(request, timeout=timeout) as response:
-                return Answer(response.status, response.headers.get("content-type", ""), response.read())
+                return Answer(response.status, response.headers.get("content-type", ""), response.read(),
+                              _lowercase(response.headers))
         except urllib.error.HTTPError as exc:
             with exc:
-                return Answer(exc.code, exc.headers.get("content-type", "") if exc.headers else "", exc.read())
+                headers = _lowercase(exc.headers) if exc.headers else {}
+                return Answer(exc.code, headers.get("content-type", ""), exc.read(), headers)
 
-    def get(self, path: str) -> Any:
-        """The JSON of a successful GET; ApiError for an error status."""
-        return self._json(self.answer("GET", path), path)
-
-    def post(self, path: str, body: Any) -> Any:
-        """The JSON of a successful POST of `body` as JSON; ApiError for an error status."""
-        return self._json(self.answer("POST", path, body), path)
-
-    def _json(self, answer: Answer, path: str) -> Any:
+    def call(self, method: str, path: str, body: Any = None) -> Any:
+        """The JSON of a successful call (None for an empty body); ApiError for an error status. A busy answer
+        (429, 503: a Prefect server under load, its SQLite locked) is asked again, as Prefect's own client does:
+        up to BUSY_RETRIES times, after its Retry-After or a doubling delay, never past the budget."""
+        for attempt in range(BUSY_RETRIES + 1):
+            answer = self.answer(method, path, body)
+            if answer.status not in BUSY or attempt == BUSY_RETRIES:
+                break
+            after = answer.retry_after()
+            delay = min(0.5 * 2 ** attempt if after is None else after, BUSY_DELAY_MAX)
+            if self.deadline is not None and time.monotonic() + delay >= self.deadline:
+                break
+            time.sleep(delay)
         if not 200 <= answer.status < 300:
             raise ApiError(answer.status, f"{self.url}{path}", answer.body)
         return answer.json()
+
+    def get(self, path: str) -> Any:
+        """The JSON of a successful GET; ApiError for an error status."""
+        return self.call("GET", path)
+
+    def post(self, path: str, body: Any) -> Any:
+        """The JSON of a successful POST of `body` as JSON; ApiError for an error status."""
+        return self.call("POST", path, body)
+
+
+def _lowercase(headers: Any) -> dict[str, str]:
+    return {name.lower(): value for name, value in headers.items()}
 
 
 def _loopback(host: str) -> bool:

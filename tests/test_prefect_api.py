@@ -43,8 +43,8 @@ def proxied_env(home: Path | None = None) -> dict[str, str]:
 
 class Recorder:
     """A tiny HTTP server on 127.0.0.1 that records each request (its request line's target and headers) and
-    answers JSON: `{"path": ...}`, or the status a path asks for (`/status/404`). As a proxy it is sent the
-    absolute URL."""
+    answers JSON: `{"path": ...}`, or the status a path asks for (`/status/404`), or 503 with Retry-After: 0 to
+    the first N requests for `/busy/N`. As a proxy it is sent the absolute URL."""
 
     def __init__(self, bind: str = "127.0.0.1") -> None:
         seen = self.seen = []
@@ -55,14 +55,19 @@ class Recorder:
                 seen.append({"target": self.path, "headers": dict(self.headers),
                              "body": self.rfile.read(length) if length else b""})
                 status = int(m.group(1)) if (m := re.search(r"/status/(\d+)", self.path)) else 200
+                if (m := re.search(r"/busy/(\d+)", self.path)) and sum(
+                        1 for request in seen if request["target"] == self.path) <= int(m.group(1)):
+                    status = 503
                 body = json.dumps({"path": self.path}).encode()
                 self.send_response(status)
+                if status == 503 and "/busy/" in self.path:
+                    self.send_header("Retry-After", "0")
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
 
-            do_GET = do_POST = answer
+            do_GET = do_POST = do_PATCH = do_DELETE = answer
 
             def log_message(self, *args: Any) -> None:
                 pass
@@ -117,6 +122,25 @@ def test_an_error_status_is_an_answer_or_an_api_error(recorder: Recorder) -> Non
     with pytest.raises(ApiError) as refused:
         client.get("/status/401")
     assert refused.value.status == 401 and isinstance(refused.value, OSError)
+    assert len(recorder.seen) == 3  # an error that is not "busy" is not asked again
+
+
+def test_a_busy_server_is_asked_again_as_prefects_client_does(recorder: Recorder) -> None:
+    """A Prefect server answers 503 for a database error a client may retry (SQLite locked on a loaded node):
+    seen in CI on a work-pool heartbeat. Prefect's client retries it; hpc-garage's does too, and only it."""
+    client = PrefectApi(f"{recorder.url}/api")
+    assert client.call("PATCH", "/busy/2", {"paused": True}) == {"path": "/api/busy/2"}
+    assert [r["target"] for r in recorder.seen] == ["/api/busy/2"] * 3  # twice 503, then the answer
+    assert client.call("DELETE", "/busy/0") == {"path": "/api/busy/0"}
+    recorder.seen.clear()
+    with pytest.raises(ApiError) as refused:
+        client.get("/busy/99")  # busy for ever: 1 + BUSY_RETRIES tries, then the error
+    assert refused.value.status == 503 and len(recorder.seen) == 6
+    recorder.seen.clear()
+    started = time.monotonic()
+    with pytest.raises(ApiError):  # no Retry-After: a doubling delay, and the budget ends the tries
+        PrefectApi(f"{recorder.url}/api", budget=2.0).get("/status/503")
+    assert len(recorder.seen) == 3 and 1.4 < time.monotonic() - started < 2.0  # at 0, 0.5 and 1.5 s, not 3.5 s
 
 
 def test_a_dead_proxy_in_the_environment_does_not_catch_our_loopback_calls(recorder: Recorder,

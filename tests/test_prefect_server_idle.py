@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import shutil
@@ -20,6 +19,7 @@ from hpc_garage.core.errors import UserError
 from hpc_garage.files import pid_alive
 from hpc_garage.prefect import server as prefect_server
 from hpc_garage.prefect.server import ensure_api, server_status, state_dir, stop_server
+from hpc_garage.prefect_api import PrefectApi, auth_headers
 
 ROOT = Path(__file__).resolve().parent.parent
 START = 300.0  # a fresh server migrates its database; on a loaded 2-core machine that takes minutes
@@ -67,13 +67,13 @@ def wait_until(check, timeout: float) -> bool:  # noqa: ANN001
     return bool(check())
 
 
+def api_of(state: dict) -> PrefectApi:
+    """hpc-garage's client for the server `state` (server.json) records: it asks a busy server again."""
+    return PrefectApi(state["url"], headers=auth_headers({"PREFECT_API_AUTH_STRING": state["auth"]}), timeout=30)
+
+
 def count_flow_runs(state: dict, kind: str) -> int:
-    token = base64.b64encode(state["auth"].encode()).decode()
-    body = json.dumps({"flow_runs": {"state": {"type": {"any_": [kind]}}}}).encode()
-    request = urllib.request.Request(f"{state['url']}/flow_runs/count", data=body, method="POST", headers={
-        "Authorization": f"Basic {token}", "Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=30) as response:
-        return int(json.loads(response.read()))
+    return int(api_of(state).post("/flow_runs/count", {"flow_runs": {"state": {"type": {"any_": [kind]}}}}))
 
 
 def answers(url: str) -> bool:
@@ -139,14 +139,9 @@ def test_a_process_that_moves_to_another_api_records_its_task_runs_there(home: P
     done = in_child(script)
     assert "done" in done.stdout, done.stderr[-3000:]
     state = json.loads((state_dir() / "server.json").read_text())  # the second server: it is still up
-    token = base64.b64encode(state["auth"].encode()).decode()
 
     def completed_task_runs() -> int:
-        body = json.dumps({"task_runs": {"state": {"type": {"any_": ["COMPLETED"]}}}}).encode()
-        request = urllib.request.Request(f"{state['url']}/task_runs/count", data=body, method="POST", headers={
-            "Authorization": f"Basic {token}", "Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return int(json.loads(response.read()))
+        return int(api_of(state).post("/task_runs/count", {"task_runs": {"state": {"type": {"any_": ["COMPLETED"]}}}}))
 
     # the same database: the first flow's 3 (recorded by the first server) and the second flow's 3
     assert wait_until(lambda: completed_task_runs() == 6, 60), completed_task_runs()
@@ -181,15 +176,7 @@ def test_a_server_in_use_stays(home: Path) -> None:
 def test_an_online_work_pool_worker_or_an_active_schedule_holds_the_server(home: Path) -> None:
     """Nobody holds a lease and no run moves, but a worker polls for runs or the scheduler will create some."""
     api = json.loads(in_child(HAND_OUT).stdout)  # its lease ends as it exits
-    token = base64.b64encode(api["PREFECT_API_AUTH_STRING"].encode()).decode()
-
-    def call(method: str, path: str, body: dict | None = None) -> object:
-        request = urllib.request.Request(f"{api['PREFECT_API_URL']}{path}", method=method, headers={
-            "Authorization": f"Basic {token}", "Content-Type": "application/json"},
-            data=None if body is None else json.dumps(body).encode())
-        with urllib.request.urlopen(request, timeout=30) as response:
-            text = response.read()
-            return json.loads(text) if text else None
+    call = PrefectApi(api["PREFECT_API_URL"], headers=auth_headers(api), timeout=30).call
 
     pid = server_status()["pid"]
     call("POST", "/work_pools/", {"name": "gpus", "type": "process"})

@@ -278,7 +278,6 @@ def test_gpu_figures_reach_each_trials_prefect_task_run(tmp_path: Path) -> None:
     (tests/data/fake_gpu_reader.py, preloaded in every worker: this machine has no GPU for NVML): every trial
     gets exactly one artifact on its task run and flow run, with its worker, its GPU and the figures that
     reader gave that GPU, read back from Prefect's API; the job log says how many."""
-    import urllib.request
     import uuid
 
     sys.path.insert(0, str(Path(__file__).resolve().parent / "data"))
@@ -287,7 +286,7 @@ def test_gpu_figures_reach_each_trials_prefect_task_run(tmp_path: Path) -> None:
     finally:
         sys.path.pop(0)
     from hpc_garage.cluster.progress import ARTIFACT_KEY
-    from hpc_garage.prefect_api import auth_headers
+    from hpc_garage.prefect_api import PrefectApi
     from hpc_garage.prefect.server import ensure_api
 
     tests = Path(__file__).resolve().parent  # the job imports the reader from tests/data, and this checkout
@@ -307,12 +306,10 @@ def test_gpu_figures_reach_each_trials_prefect_task_run(tmp_path: Path) -> None:
     report = json.loads(hpcg(["report", job, "--json"], tmp_path).stdout)
     trials = report["trials"]
     assert len(trials) == 5 and all("gpu_util_mean" in t for t in trials), trials  # 4 experiments + aggregate
-    request = urllib.request.Request(f"{api}/artifacts/filter", method="POST",
-                                     data=json.dumps({"artifacts": {"key": {"any_": [ARTIFACT_KEY]}, "task_run_id": {
-                                         "any_": [str(uuid.UUID(hex=t["key"][-32:])) for t in trials]}}}).encode(),
-                                     headers={"Content-Type": "application/json", **auth_headers(server)})
-    with urllib.request.urlopen(request, timeout=10) as answer:
-        artifacts = json.loads(answer.read())
+    client = PrefectApi.from_env(server, timeout=10)
+    assert client is not None
+    artifacts = client.post("/artifacts/filter", {"artifacts": {"key": {"any_": [ARTIFACT_KEY]}, "task_run_id": {
+        "any_": [str(uuid.UUID(hex=t["key"][-32:])) for t in trials]}}})
     assert len(artifacts) == len(trials), artifacts
     # the flow run the task runner noted at its first submission: progress names it from then on (it used to
     # learn it only from a finished trial's task run, which a short sweep could end before)

@@ -72,22 +72,17 @@ def hex_id(run: str) -> str:
 
 def artifacts(status: dict[str, Any], keys: list[str]) -> list[dict[str, Any]]:
     """The artifacts with these keys on the job's flow runs, read back from the Prefect API the job used."""
-    import urllib.request
-
     from hpc_garage.prefect.server import ensure_api
-    from hpc_garage.prefect_api import auth_headers
+    from hpc_garage.prefect_api import PrefectApi
     from tests.conftest import outside_job_env
 
     prefect = status["run"]["progress"]["prefect"]
     server = ensure_api(env=outside_job_env())
     assert server["PREFECT_API_URL"] == prefect["api"], (server, prefect)
     flow_runs = [run["id"] for run in prefect["flow_runs"]]
-    request = urllib.request.Request(
-        f"{prefect['api']}/artifacts/filter", method="POST",
-        data=json.dumps({"artifacts": {"key": {"any_": keys}, "flow_run_id": {"any_": flow_runs}}}).encode(),
-        headers={"Content-Type": "application/json", **auth_headers(server)})
-    with urllib.request.urlopen(request, timeout=10) as answer:
-        return json.loads(answer.read())
+    client = PrefectApi.from_env(server, timeout=10)
+    assert client is not None
+    return client.post("/artifacts/filter", {"artifacts": {"key": {"any_": keys}, "flow_run_id": {"any_": flow_runs}}})
 
 
 # ------------------------------------------------------------------------------------ the curves alone

@@ -6,16 +6,12 @@ Prefect server, `hpc-garage worker`, a path-based deployment of examples/sweep.p
 
 from __future__ import annotations
 
-import base64
 import json
-import os
 import re
 import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -24,6 +20,7 @@ from typing import Any
 import pytest
 
 from hpc_garage.core.errors import UserError
+from hpc_garage.prefect_api import PrefectApi, auth_headers
 from tests.test_e2e import check_placement
 from tests.conftest import outside_job_env
 
@@ -173,19 +170,9 @@ class Garage:
                                            start_new_session=True)
 
     def call(self, method: str, path: str, body: Any = None) -> Any:
-        request = urllib.request.Request(
-            f"{self.api}{path}", method=method, data=None if body is None else json.dumps(body).encode(),
-            headers={"Content-Type": "application/json",
-                     "Authorization": "Basic " + base64.b64encode(self.auth.encode()).decode()})
-        for attempt in range(5):  # a busy server on two shared cores answers 503 at times
-            try:
-                with urllib.request.urlopen(request, timeout=30) as response:
-                    text = response.read()
-                return json.loads(text) if text else None
-            except urllib.error.HTTPError as exc:
-                if exc.code != 503 or attempt == 4:
-                    raise
-                time.sleep(1 + attempt)
+        """hpc-garage's client: a busy server (two shared cores) answers 503 at times, and is asked again."""
+        client = PrefectApi(self.api, headers=auth_headers({"PREFECT_API_AUTH_STRING": self.auth}), timeout=30)
+        return client.call(method, path, body)
 
     def run(self, parameters: dict[str, Any], job_variables: dict[str, Any] | None = None) -> str:
         deployment = self.call("GET", "/deployments/name/sweep/gpu")
