@@ -105,7 +105,7 @@ def run_pair(database: str, tasks: int, home: Path | None = None, timeout: float
     }
     result["complete"] = all(f["state"] == "COMPLETED" and f["task_runs"].get("COMPLETED") == tasks
                              and sum(f["task_runs"].values()) == tasks for f in flows)
-    subprocess.run([PYTHON, "-m", "hpc_garage", "server", "stop"], env=env, cwd=ROOT, capture_output=True)
+    subprocess.run([PYTHON, "-m", "hpc_garage", "server", "stop", "--force"], env=env, cwd=ROOT, capture_output=True)
     if database == "postgresql" and os.geteuid() == 0:  # as root its data lives outside HOME, in /var/tmp
         from hpc_garage.prefect.server import ManagedPostgres
 

@@ -252,7 +252,7 @@ def test_readme_first_command_with_a_dead_proxy_and_no_no_proxy(tmp_path: Path) 
         done = subprocess.run([PY, "-m", "hpc_garage", "run", "--", PY, str(SWEEP)], capture_output=True, text=True,
                               cwd=tmp_path, env=env, timeout=400)
     finally:
-        subprocess.run([PY, "-m", "hpc_garage", "server", "stop"], capture_output=True, env=env, timeout=60)
+        subprocess.run([PY, "-m", "hpc_garage", "server", "stop", "--force"], capture_output=True, env=env, timeout=60)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     summary = json.loads((tmp_path / "sweep-results.json").read_text())
     assert summary["result"] == summary["expected"] and summary["experiments"] == 8, summary

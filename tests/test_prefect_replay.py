@@ -180,7 +180,7 @@ def test_replay_reaches_the_managed_server_started_again(runs: tuple[Path, dict[
     summary = json.loads((run_dir / "unrecorded.json").read_text())
     assert summary["api_url"] == url and summary["prefect_server"]["database"] == "sqlite", summary
 
-    stopped = hpcg("server", "stop", env=env)
+    stopped = hpcg("server", "stop", "--force", env=env)  # this test's process holds it (fixture `api`)
     assert stopped.returncode == 0 and not (state_dir() / "server.json").exists(), stopped.stdout + stopped.stderr
     replayed = hpcg("replay", "4343", env=env)
     assert replayed.returncode == 0, replayed.stdout + replayed.stderr

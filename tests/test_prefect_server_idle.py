@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -11,6 +12,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -74,6 +76,25 @@ def api_of(state: dict) -> PrefectApi:
 
 def count_flow_runs(state: dict, kind: str) -> int:
     return int(api_of(state).post("/flow_runs/count", {"flow_runs": {"state": {"type": {"any_": [kind]}}}}))
+
+
+@contextlib.contextmanager
+def holding() -> Iterator[tuple[subprocess.Popen[str], dict[str, str]]]:
+    """A process that was handed the server (it holds a lease) and sleeps, and the API it was handed."""
+    holder = subprocess.Popen([sys.executable, "-c", HAND_OUT + "; import sys; sys.stdout.flush(); "
+                               "import time; time.sleep(3600)"], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert holder.stdout is not None
+        yield holder, json.loads(holder.stdout.readline())
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def server_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """`hpc-garage server ARGS`, as a user types it."""
+    return subprocess.run([sys.executable, "-m", "hpc_garage", "server", *args], capture_output=True, text=True,
+                          cwd=ROOT)
 
 
 def answers(url: str) -> bool:
@@ -150,13 +171,9 @@ def test_a_process_that_moves_to_another_api_records_its_task_runs_there(home: P
 @pytest.mark.slow
 def test_a_server_in_use_stays(home: Path) -> None:
     """A process it was handed to keeps it while it runs, however long it is quiet; then it leaves."""
-    holder = subprocess.Popen([sys.executable, "-c", HAND_OUT + "; import sys; sys.stdout.flush(); "
-                               "import time; time.sleep(3600)"], stdout=subprocess.PIPE, text=True, cwd=ROOT)
-    try:
-        api = json.loads(holder.stdout.readline())
+    with holding() as (holder, api):
         time.sleep(10)  # more than three idle limits
-        shown = subprocess.run([sys.executable, "-m", "hpc_garage", "server", "status"], capture_output=True,
-                               text=True, cwd=ROOT, check=True)
+        shown = server_cli("status")
         status = json.loads(shown.stdout)  # what `hpc-garage server status` prints
         assert status["running"] and status["healthy"], status
         assert status["idle_s"] < 3 and status["idle_timeout_s"] == 3 and status["uptime_s"] >= 10
@@ -165,11 +182,31 @@ def test_a_server_in_use_stays(home: Path) -> None:
         server_argv = Path(f"/proc/{status['server_pid']}/cmdline").read_bytes().split(b"\0")
         assert b"server" in server_argv and b"start" in server_argv  # the server itself, for the benchmarks
         assert answers(api["PREFECT_API_URL"])
-    finally:
-        holder.kill()
-        holder.wait()
+        assert status["in_use_by"] == [holder.pid], status
+        # `server stop` refuses while it is in use, in one line naming the user (--force: the next test)
+        refused = server_cli("stop")
+        assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+        assert f"in use by 1 process (pid {holder.pid}: python" in refused.stderr and "--force" in refused.stderr
+        assert "Traceback" not in refused.stderr and pid_alive(status["pid"]) and answers(api["PREFECT_API_URL"])
     pid = server_status()["pid"]
     assert wait_until(lambda: not pid_alive(pid), 90)
+
+
+@pytest.mark.slow
+def test_server_stop_force_stops_a_server_in_use(home: Path) -> None:
+    with holding() as (_, api):
+        pid = server_status()["pid"]  # the keeper: the holder's child, a zombie once stopped until the holder ends
+        forced = server_cli("stop", "--force")
+        assert forced.returncode == 0 and forced.stdout.strip() == "stopped", forced.stdout + forced.stderr
+        assert not answers(api["PREFECT_API_URL"]) and not (state_dir() / "server.json").exists()
+
+        def ended() -> bool:
+            try:
+                return " Z " in Path(f"/proc/{pid}/stat").read_text()  # a zombie: it has exited
+            except OSError:
+                return True  # gone
+
+        assert wait_until(ended, 30)
 
 
 @pytest.mark.slow

@@ -253,7 +253,7 @@ def garage(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Garage]:
         job = json.loads(record.read_text()).get("job_id")
         if job and _queued(job):
             subprocess.run(["scancel", job])
-    subprocess.run([PY, "-m", "hpc_garage", "server", "stop"], env=env, capture_output=True)
+    subprocess.run([PY, "-m", "hpc_garage", "server", "stop", "--force"], env=env, capture_output=True)
 
 
 @pytest.mark.slurm

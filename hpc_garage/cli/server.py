@@ -56,11 +56,13 @@ def server_status(host: str) -> None:
 @server.command("stop")
 @click.option("--host", default="127.0.0.1", show_default=True, callback=lambda ctx, param, value: options.host(value),
               help="Address the server listens on.")
-def server_stop(host: str) -> None:
-    """Stop the shared Prefect server (runs start it again when they need it)."""
+@click.option("--force", is_flag=True, help="Stop it even while runs or flows use it (they lose their API).")
+def server_stop(host: str, force: bool) -> None:
+    """Stop the shared Prefect server (runs start it again when they need it). While a run or flow uses it,
+    nothing is stopped and the users are named, unless --force."""
     from hpc_garage.prefect.server import stop_server
 
-    click.echo("stopped" if stop_server(host) else "no hpc-garage Prefect server was running there")
+    click.echo("stopped" if stop_server(host, force=force) else "no hpc-garage Prefect server was running there")
 
 
 @server.command("auth")

@@ -26,7 +26,7 @@ from typing import Any
 from hpc_garage.core.errors import UserError
 from hpc_garage.files import locked, read_json, write_private
 from hpc_garage.prefect.server.postgres import Database, database_choice, postgres_bin
-from hpc_garage.prefect.server.processes import children, hold_lease, process_alive, terminate
+from hpc_garage.prefect.server.processes import children, hold_lease, leaseholders, process_alive, terminate
 from hpc_garage.prefect.server.state import (IDLE_DEFAULT, LOOPBACK, QUIET, ServerState, machine_name, read_state,
                                              state_dir, state_path, url_host)
 from hpc_garage.prefect.server.ui import ui_base, ui_settings, ui_status
@@ -99,13 +99,32 @@ def managed_api(recorded: Mapping[str, Any], who: str) -> dict[str, str]:
     return ensure_server(host).client_env()
 
 
-def stop_server(host: str = LOOPBACK) -> bool:
-    """Stop our server for this machine and bind address; False when none was running."""
+def stop_server(host: str = LOOPBACK, *, force: bool = True) -> bool:
+    """Stop our server for this machine and bind address; False when none was running. `force=False` (what
+    `hpc-garage server stop` does unless given --force): UserError, and nothing stopped, while processes it
+    was handed still run: a sweep that loses its API mid-run loses its Prefect record from then on."""
     directory = state_dir(host)
     with locked(directory / "lock"):
         state = read_state(directory)
+        if not force and state is not None and process_alive(state.pid) and (users := leaseholders(directory)):
+            raise UserError(f"hpc-garage server stop: the server at {state.url} is in use by {len(users)} "
+                            f"process{'es' if len(users) > 1 else ''} ({_commands(users)}); stopping it would cut "
+                            "them off from their API mid-run. Wait for them to end (it stops by itself "
+                            f"{state.idle_timeout:g} s after its last use), or give --force")
         (directory / "server.json").unlink(missing_ok=True)
         return state is not None and terminate(state)
+
+
+def _commands(pids: list[int], shown: int = 3) -> str:
+    """"pid 12: python3 sweep.py, …": who holds the server, as `ps` would name them."""
+    named = []
+    for pid in pids[:shown]:
+        try:
+            argv = [a.decode(errors="replace") for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if a]
+        except OSError:
+            argv = []
+        named.append(f"pid {pid}" + (f": {' '.join([Path(argv[0]).name, *argv[1:3]])}" if argv else ""))
+    return ", ".join(named) + (f" and {len(pids) - shown} more" if len(pids) > shown else "")
 
 
 def server_status(host: str = LOOPBACK) -> dict[str, Any]:
@@ -123,7 +142,8 @@ def server_status(host: str = LOOPBACK) -> dict[str, Any]:
         status |= {"url": state.url, "pid": state.pid, "host": state.host, "started": state.started,
                    "database": state.database, "uptime_s": round(now - state.started, 1)}
         if alive:
-            status |= {"idle_s": round(max(0.0, now - last), 1), "idle_timeout_s": state.idle_timeout}
+            status |= {"idle_s": round(max(0.0, now - last), 1), "idle_timeout_s": state.idle_timeout,
+                       "in_use_by": leaseholders(directory)}  # pids: `server stop` waits for them (or --force)
             if activity.get("pid") == state.pid and activity.get("server_pid"):
                 status["server_pid"] = int(activity["server_pid"])  # `prefect server start`, beside its keeper
         status |= ui_status(state, str(directory / "server.json"))

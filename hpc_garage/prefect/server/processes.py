@@ -36,7 +36,18 @@ def hold_lease(directory: Path) -> None:
 
 def leases_last_use(directory: Path, now: float) -> float:
     """`now` while a leaseholder runs; else the newest lease's time. Leases of ended processes are removed."""
-    last = 0.0
+    holders, last = _leases(directory)
+    return now if holders else last
+
+
+def leaseholders(directory: Path) -> list[int]:
+    """The pids of the processes that hold a lease and still run (a run, a flow, a worker using the server)."""
+    return _leases(directory)[0]
+
+
+def _leases(directory: Path) -> tuple[list[int], float]:
+    """(live leaseholders' pids, the newest lease's time); the leases of ended processes are removed."""
+    holders, last = [], 0.0
     for lease in (directory / "leases").glob("*"):
         try:
             pid, ticks = int(lease.name), lease.read_text().strip()
@@ -44,9 +55,10 @@ def leases_last_use(directory: Path, now: float) -> float:
         except (OSError, ValueError):
             continue
         if pid_alive(pid) and ticks == str(start_ticks(pid)):
-            return now
-        lease.unlink(missing_ok=True)
-    return last
+            holders.append(pid)
+        else:
+            lease.unlink(missing_ok=True)
+    return sorted(holders), last
 
 
 def start_ticks(pid: int) -> int | None:
