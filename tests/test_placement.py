@@ -119,7 +119,8 @@ def test_restricted_tasks_wait_on_the_scheduler_until_their_resource_frees() -> 
             assert all(sum(k in w.state.tasks for k in (f.key for f in futures)) == 1 for w in workers)
             await Event("go", client=c).set()
             ran = await c.gather(futures)
-            assert Counter(ran) == {"w0": 3, "w1": 3}
+            # all six ran, on both GPUs, one at a time each; the split is whichever freed first (4/2 seen in CI)
+            assert len(ran) == 6 and set(ran) == {"w0", "w1"}, ran
             assert not watch.oversubscribed
 
     run(main)

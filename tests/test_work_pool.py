@@ -116,8 +116,20 @@ def test_a_flow_run_is_submitted_once_whatever_its_claim_says(tmp_path: Path, mo
     dead.wait()
     claim.write_text(json.dumps({"flow_run": FLOW_RUN, "job_name": prepared.spec.job_name, "host": socket.gethostname(),
                                  "pid": dead.pid, "claimed": 1.0}))
-    assert take(job, prepared).job_id == "42" and asked == [prepared.spec.job_name]
+    stray = prepared.root / ".submit-dead.sh"  # the dead worker's temporary copy, handed to sbatch
+    stray.write_text(prepared.script)
+    taken = take(job, prepared)
+    assert taken.job_id == "42" and asked == [prepared.spec.job_name]
     assert json.loads(claim.read_text())["job_id"] == "42"  # noted: the queue is not asked again
+    # it died before it recorded the job: the job gets its run directory as `submit` gives it (status, logs,
+    # resume and walltime follow-ups read them), and the dead worker's temporary script goes
+    from hpc_garage.rundir import RunDir
+
+    adopted = RunDir.for_job(prepared.root, "42")
+    record = adopted.submit_record()
+    assert record is not None and record["job_id"] == "42" and record["job_name"] == prepared.spec.job_name
+    assert record["log"]["path"] == taken.log and adopted.script_file.read_text() == prepared.script
+    assert oct(adopted.script_file.stat().st_mode & 0o777) == "0o600" and not stray.exists()
 
     alive = subprocess.Popen(["sleep", "30"])
     try:

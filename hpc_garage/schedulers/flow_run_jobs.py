@@ -31,8 +31,8 @@ from hpc_garage.core.errors import UserError
 from hpc_garage.core.request import Request
 from hpc_garage.core.units import parse_memory, parse_walltime
 from hpc_garage.files import locked, pid_alive, read_json, write_json
-from hpc_garage.schedulers.submission import (JobView, Prepared, find, next_job_of, prepare, refresh, run_root,
-                                              run_roots, submit)
+from hpc_garage.schedulers.submission import (JobView, Prepared, adopt, find, next_job_of, prepare, refresh,
+                                              run_root, run_roots, submit)
 
 __all__ = ["VARIABLES", "FlowRunJob", "Taken", "Busy", "request_of", "prepare_flow_run", "take", "claim_of",
            "views", "cancel", "ended", "next_job_of", "run_roots"]
@@ -193,10 +193,11 @@ def take(job: FlowRunJob, prepared: Prepared) -> Taken:
                 raise Busy(f"flow run {job.flow_run_id} is being submitted by process {pid}")
             batch = get(prepared.spec.scheduler)
             found = batch.jobs_named(str(claim.get("job_name")))
-            if found:  # its submitter died after sbatch took the job, before it noted the id
-                write_json(path, {**claim, "job_id": found[0], "found": time.time()})
+            if found:  # its submitter died after sbatch took the job, before it noted the id (or recorded it)
+                adopted = adopt(prepared, found[0])
+                write_json(path, {**claim, "job_id": found[0], "run_dir": str(adopted.run_dir), "found": time.time()})
                 logger.info("flow run %s: job %s of its dead worker found in the queue", job.flow_run_id, found[0])
-                return Taken(found[0], claim.get("site") or site, fresh=False)
+                return Taken(found[0], claim.get("site") or site, fresh=False, log=adopted.log)
         write_json(path, {"flow_run": job.flow_run_id, "job_name": prepared.spec.job_name, "site": site,
                           "host": socket.gethostname(), "pid": os.getpid(), "claimed": time.time()})
         try:

@@ -10,9 +10,10 @@ from hpc_garage.schedulers.submission.finding import (JobView, check_job_id, fin
                                                       progress_text, records, refresh, results_roots, run_dir_of,
                                                       run_root, run_roots, status_all, sweep_text, trial_label)
 from hpc_garage.schedulers.submission.following import SWEEP_SECONDS, cancel, log_files, logs, next_job_of, wait
-from hpc_garage.schedulers.submission.submitting import Prepared, Submitted, prepare, resubmit, resume, submit
+from hpc_garage.schedulers.submission.submitting import (Prepared, Submitted, adopt, prepare, resubmit, resume,
+                                                         submit)
 
-__all__ = ["SWEEP_SECONDS", "JobView", "Prepared", "Submitted", "cancel", "check_job_id", "find", "log_files", "logs",
+__all__ = ["SWEEP_SECONDS", "JobView", "Prepared", "Submitted", "adopt", "cancel", "check_job_id", "find", "log_files", "logs",
            "lookup", "metrics_text", "next_job_of", "prepare", "progress_text", "records", "refresh", "resubmit",
            "results_roots", "resume", "run_dir_of", "run_root", "run_roots", "status_all", "submit", "sweep_text",
            "trial_label", "wait"]

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from hpc_garage.core.errors import UserError
 from hpc_garage.core.request import Request
 from hpc_garage.core.sweep import SweepKey
+from hpc_garage.files import write_private
 from hpc_garage.rundir import RunDir
 from hpc_garage.schedulers.base import JOB_ID, BatchSystem
 from hpc_garage.schedulers.submission.finding import find, refresh, results_roots, run_root
@@ -130,7 +131,33 @@ def submit(prepared: Prepared) -> Submitted:
     """Hand the job to the batch system and record it; on any failure, leave no job and no files."""
     from hpc_garage.schedulers import get
 
-    spec, batch = prepared.spec, get(prepared.spec.scheduler)
+    batch = get(prepared.spec.scheduler)
+    return _hand_over(batch, prepared.root, prepared.script, lambda temp: batch.submit_argv(temp, prepared.spec),
+                      _record_of(prepared), prepared.how)
+
+
+def adopt(prepared: Prepared, job_id: str) -> Submitted:
+    """Give a job the batch system took for `prepared` its run directory (job.sh, submit.json) and its place in
+    its sweep, as `submit` would have: its submitter died between sbatch and that (a work-pool worker killed
+    mid-submission, whose restart finds the job by its name), with the script as this process renders it.
+    What is there already is kept."""
+    from hpc_garage.schedulers import get
+
+    batch = get(prepared.spec.scheduler)
+    rundir = RunDir.for_job(prepared.root, job_id)
+    if (record := rundir.submit_record()) is not None:
+        return Submitted(job_id, rundir.path, record["log"].get("path") or "", record["log"].get("error_path"),
+                         record)
+    rundir.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for stray in prepared.root.glob(".submit-*.sh"):  # the dead submitter's temporary copy of this same script
+        if stray.read_text(errors="replace") == prepared.script:
+            stray.unlink(missing_ok=True)
+    return _record_job(batch, prepared.root, job_id, prepared.script, _record_of(prepared), prepared.how, keep=True)
+
+
+def _record_of(prepared: Prepared) -> dict[str, Any]:
+    """What submit.json says of a job before its id is known: what was asked, where its logs go, its sweep."""
+    spec = prepared.spec
     record = {
         "site": prepared.site.name,
         "site_file": spec.site,
@@ -147,8 +174,7 @@ def submit(prepared: Prepared) -> Submitted:
     }
     if prepared.sweep is not None:
         record["sweep"] = {"name": spec.sweep, "epoch": spec.sweep_epoch, "root": str(prepared.sweep.root)}
-    return _hand_over(batch, prepared.root, prepared.script, lambda temp: batch.submit_argv(temp, spec), record,
-                      prepared.how)
+    return record
 
 
 def resubmit(previous: Path, *, after: str | None, how: str) -> Submitted:
@@ -219,25 +245,17 @@ def _hand_over(batch: BatchSystem, root: Path, script: str, submit_argv: Callabl
             f.write(script)
         job_id = batch.parse_job_id(batch.run(submit_argv(Path(temp))))
         # undone in reverse: the job is cancelled first, then its log and run directory go
-        rundir = RunDir.for_job(root, job_id)
-        run_dir = rundir.path
+        run_dir = RunDir.for_job(root, job_id).path
         if not run_dir.exists():
             undo.append(lambda: shutil.rmtree(run_dir, ignore_errors=True))
         logs = record["log"]
-        log = batch.log_path(logs["output"], job_id, record["job_name"])
-        error_log = batch.log_path(logs["error"], job_id, record["job_name"]) if logs.get("error") else None
-        new_logs = [Path(p) for p in (log, error_log) if p and not os.path.exists(p)]  # never a user's old file
+        new_logs = [Path(p) for p in (batch.log_path(logs["output"], job_id, record["job_name"]),
+                                      batch.log_path(logs["error"], job_id, record["job_name"]) if logs.get("error")
+                                      else None) if p and not os.path.exists(p)]  # never a user's old file
         undo.append(lambda: [p.unlink(missing_ok=True) for p in new_logs])
         undo.append(lambda: _cancel_quietly(batch, job_id))
         run_dir.mkdir(mode=0o700, exist_ok=True)
-        os.replace(temp, rundir.script_file)
-        record = {"job_id": job_id, **record, "log": {**logs, "path": log, "error_path": error_log},
-                  "submitted": time.time()}
-        rundir.write_submit_record(record)
-        if sweep := record.get("sweep"):
-            book = SweepBook(Path(sweep["root"]), sweep["name"])
-            add_job(book, SweepKey(book.name, sweep["epoch"]), job_id, how,
-                    {k: record[k] for k in ("site", "script", "args", "cwd")})
+        return _record_job(batch, root, job_id, temp, record, how)
     except BaseException:
         for step in reversed(undo):
             try:
@@ -245,7 +263,28 @@ def _hand_over(batch: BatchSystem, root: Path, script: str, submit_argv: Callabl
             except Exception:  # noqa: BLE001 - undoing is best effort; the first error is the one to show
                 pass
         raise
-    return Submitted(job_id=job_id, run_dir=run_dir, log=log, error_log=error_log, record=record)
+
+
+def _record_job(batch: BatchSystem, root: Path, job_id: str, script: str, record: dict[str, Any], how: str, *,
+                keep: bool = False) -> Submitted:
+    """The job's run directory (it exists) gets job.sh and submit.json, and its sweep the job. `script`: the
+    temporary file sbatch was given (moved into place), or with `keep` the script's text (written there)."""
+    rundir = RunDir.for_job(root, job_id)
+    logs = record["log"]
+    log = batch.log_path(logs["output"], job_id, record["job_name"])
+    error_log = batch.log_path(logs["error"], job_id, record["job_name"]) if logs.get("error") else None
+    if keep:
+        write_private(rundir.script_file, script)
+    else:
+        os.replace(script, rundir.script_file)
+    record = {"job_id": job_id, **record, "log": {**logs, "path": log, "error_path": error_log},
+              "submitted": time.time()}
+    rundir.write_submit_record(record)
+    if sweep := record.get("sweep"):
+        book = SweepBook(Path(sweep["root"]), sweep["name"])
+        add_job(book, SweepKey(book.name, sweep["epoch"]), job_id, how,
+                {k: record[k] for k in ("site", "script", "args", "cwd")})
+    return Submitted(job_id=job_id, run_dir=rundir.path, log=log, error_log=error_log, record=record)
 
 
 def _make_dirs(root: Path, undo: list[Callable[[], None]]) -> None:
