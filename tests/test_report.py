@@ -211,7 +211,8 @@ def test_report_counts_pruned_trials_estimates_the_saving_and_plots_the_curves(t
     shown = report()
     assert shown.returncode == 0, shown.stderr
     lines = shown.stdout.splitlines()
-    assert len(lines) == 7 and lines[0].startswith("4 trials (2 done, 0 failed, 2 pruned) on 2 workers with 2 GPUs"), lines
+    assert len(lines) == 7, lines
+    assert lines[0].startswith("4 trials (2 done, 0 failed, 2 pruned) on 2 workers with 2 GPUs"), lines
     assert lines[5] == ("trial metrics: 4 trials reported; best loss 1.1 (trial key-0 step 19); 2 ran to the end, "
                         "2 pruned (MedianPruner)")
     # (20 - 5) + (20 - 8), one GPU each

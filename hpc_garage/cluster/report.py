@@ -77,14 +77,16 @@ def build(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def summary(report: dict[str, Any]) -> list[str]:
-    """Five lines: trials (a pruned one is not "done": it ended early); GPUs (or workers) allocated, busy, idle; memory; trial durations; GPU figures; and
-    a sixth where the job's end interrupted trials: the work each lost (the time since its last checkpoint)."""
+    """Five lines: trials (a pruned one is not "done": it ended early); GPUs (or workers) allocated, busy,
+    idle; memory; trial durations; GPU figures; and a sixth where the job's end interrupted trials: the work each
+    lost (the time since its last checkpoint)."""
     trials, gpus, workers = report["trials"], report["gpus"], report["workers"]
     failed = sum(1 for t in trials if t["failed"])
     cut = sum(1 for t in trials if t.get("interrupted"))
     pruned = min(int((report.get("metrics") or {}).get("pruned") or 0), len(trials) - failed - cut)  # ended early
     lines = [f"{len(trials)} trials ({len(trials) - failed - cut - pruned} done, {failed} failed"
-             f"{f', {pruned} pruned' if pruned else ''}{f', {cut} interrupted' if cut else ''}) on {len(workers)} workers"
+             f"{f', {pruned} pruned' if pruned else ''}{f', {cut} interrupted' if cut else ''})"
+             f" on {len(workers)} workers"
              f"{f' with {len(gpus)} GPUs' if gpus else ''} in {report['wall_s']:.1f} s"]
     for label, rows in (("GPU", gpus), ("worker", workers)) if gpus else (("worker", workers),):
         allocated = sum(r["allocated_s"] for r in rows)

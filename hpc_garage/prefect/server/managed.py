@@ -107,7 +107,7 @@ def stop_server(host: str = LOOPBACK, *, force: bool = True) -> bool:
     with locked(directory / "lock"):
         state = read_state(directory)
         if not force and state is not None and process_alive(state.pid) and (users := leaseholders(directory)):
-            raise UserError(f"hpc-garage server stop: the server at {state.url} is in use by {len(users)} "
+            raise UserError(f"server stop: the Prefect server at {state.url} is in use by {len(users)} "
                             f"process{'es' if len(users) > 1 else ''} ({_commands(users)}); stopping it would cut "
                             "them off from their API mid-run. Wait for them to end (it stops by itself "
                             f"{state.idle_timeout:g} s after its last use), or give --force")

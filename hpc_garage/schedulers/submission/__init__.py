@@ -13,7 +13,7 @@ from hpc_garage.schedulers.submission.following import SWEEP_SECONDS, cancel, lo
 from hpc_garage.schedulers.submission.submitting import (Prepared, Submitted, adopt, prepare, resubmit, resume,
                                                          submit)
 
-__all__ = ["SWEEP_SECONDS", "JobView", "Prepared", "Submitted", "adopt", "cancel", "check_job_id", "find", "log_files", "logs",
-           "lookup", "metrics_text", "next_job_of", "prepare", "progress_text", "records", "refresh", "resubmit",
-           "results_roots", "resume", "run_dir_of", "run_root", "run_roots", "status_all", "submit", "sweep_text",
-           "trial_label", "wait"]
+__all__ = ["SWEEP_SECONDS", "JobView", "Prepared", "Submitted", "adopt", "cancel", "check_job_id", "find", "log_files",
+           "logs", "lookup", "metrics_text", "next_job_of", "prepare", "progress_text", "records", "refresh",
+           "resubmit", "results_roots", "resume", "run_dir_of", "run_root", "run_roots", "status_all", "submit",
+           "sweep_text", "trial_label", "wait"]

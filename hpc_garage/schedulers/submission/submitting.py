@@ -152,7 +152,8 @@ def adopt(prepared: Prepared, job_id: str) -> Submitted:
     for stray in prepared.root.glob(".submit-*.sh"):  # the dead submitter's temporary copy of this same script
         if stray.read_text(errors="replace") == prepared.script:
             stray.unlink(missing_ok=True)
-    return _record_job(batch, prepared.root, job_id, prepared.script, _record_of(prepared), prepared.how, keep=True)
+    write_private(rundir.script_file, prepared.script)
+    return _record_job(batch, prepared.root, job_id, _record_of(prepared), prepared.how)
 
 
 def _record_of(prepared: Prepared) -> dict[str, Any]:
@@ -255,7 +256,8 @@ def _hand_over(batch: BatchSystem, root: Path, script: str, submit_argv: Callabl
         undo.append(lambda: [p.unlink(missing_ok=True) for p in new_logs])
         undo.append(lambda: _cancel_quietly(batch, job_id))
         run_dir.mkdir(mode=0o700, exist_ok=True)
-        return _record_job(batch, root, job_id, temp, record, how)
+        os.replace(temp, RunDir.for_job(root, job_id).script_file)
+        return _record_job(batch, root, job_id, record, how)
     except BaseException:
         for step in reversed(undo):
             try:
@@ -265,18 +267,12 @@ def _hand_over(batch: BatchSystem, root: Path, script: str, submit_argv: Callabl
         raise
 
 
-def _record_job(batch: BatchSystem, root: Path, job_id: str, script: str, record: dict[str, Any], how: str, *,
-                keep: bool = False) -> Submitted:
-    """The job's run directory (it exists) gets job.sh and submit.json, and its sweep the job. `script`: the
-    temporary file sbatch was given (moved into place), or with `keep` the script's text (written there)."""
+def _record_job(batch: BatchSystem, root: Path, job_id: str, record: dict[str, Any], how: str) -> Submitted:
+    """The job's run directory (its job.sh in place) gets submit.json, and its sweep the job."""
     rundir = RunDir.for_job(root, job_id)
     logs = record["log"]
     log = batch.log_path(logs["output"], job_id, record["job_name"])
     error_log = batch.log_path(logs["error"], job_id, record["job_name"]) if logs.get("error") else None
-    if keep:
-        write_private(rundir.script_file, script)
-    else:
-        os.replace(script, rundir.script_file)
     record = {"job_id": job_id, **record, "log": {**logs, "path": log, "error_path": error_log},
               "submitted": time.time()}
     rundir.write_submit_record(record)
