@@ -20,8 +20,8 @@ import pytest
 from hpc_garage.core.errors import UserError
 from hpc_garage.files import pid_alive
 from hpc_garage.prefect import server as prefect_server
-from hpc_garage.prefect.server import ensure_api, server_status, state_dir, stop_server
-from hpc_garage.prefect_api import PrefectApi, auth_headers
+from hpc_garage.prefect.server import ServerState, ensure_api, server_status, state_dir, stop_server
+from hpc_garage.prefect_api import PrefectApi
 
 ROOT = Path(__file__).resolve().parent.parent
 START = 300.0  # a fresh server migrates its database; on a loaded 2-core machine that takes minutes
@@ -71,7 +71,7 @@ def wait_until(check, timeout: float) -> bool:  # noqa: ANN001
 
 def api_of(state: dict) -> PrefectApi:
     """hpc-garage's client for the server `state` (server.json) records: it asks a busy server again."""
-    return PrefectApi(state["url"], headers=auth_headers({"PREFECT_API_AUTH_STRING": state["auth"]}), timeout=30)
+    return ServerState(**state).api(timeout=30)
 
 
 def count_flow_runs(state: dict, kind: str) -> int:
@@ -213,7 +213,9 @@ def test_server_stop_force_stops_a_server_in_use(home: Path) -> None:
 def test_an_online_work_pool_worker_or_an_active_schedule_holds_the_server(home: Path) -> None:
     """Nobody holds a lease and no run moves, but a worker polls for runs or the scheduler will create some."""
     api = json.loads(in_child(HAND_OUT).stdout)  # its lease ends as it exits
-    call = PrefectApi(api["PREFECT_API_URL"], headers=auth_headers(api), timeout=30).call
+    client = PrefectApi.from_env(api, timeout=30)
+    assert client is not None
+    call = client.call
 
     pid = server_status()["pid"]
     call("POST", "/work_pools/", {"name": "gpus", "type": "process"})

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from hpc_garage.core.errors import UserError
-from hpc_garage.prefect_api import PrefectApi, auth_headers
+from hpc_garage.prefect_api import PrefectApi
 from tests.test_e2e import check_placement
 from tests.conftest import outside_job_env
 
@@ -183,7 +183,8 @@ class Garage:
 
     def call(self, method: str, path: str, body: Any = None) -> Any:
         """hpc-garage's client: a busy server (two shared cores) answers 503 at times, and is asked again."""
-        client = PrefectApi(self.api, headers=auth_headers({"PREFECT_API_AUTH_STRING": self.auth}), timeout=30)
+        client = PrefectApi.from_env({"PREFECT_API_URL": self.api, "PREFECT_API_AUTH_STRING": self.auth}, timeout=30)
+        assert client is not None
         return client.call(method, path, body)
 
     def run(self, parameters: dict[str, Any], job_variables: dict[str, Any] | None = None) -> str:

@@ -35,18 +35,20 @@ def hold_lease(directory: Path) -> None:
 
 
 def leases_last_use(directory: Path, now: float) -> float:
-    """`now` while a leaseholder runs; else the newest lease's time. Leases of ended processes are removed."""
-    holders, last = _leases(directory)
+    """`now` while a leaseholder runs; else the newest lease's time. Leases of ended processes are removed
+    (the keeper calls this)."""
+    holders, last = _leases(directory, remove_ended=True)
     return now if holders else last
 
 
 def leaseholders(directory: Path) -> list[int]:
-    """The pids of the processes that hold a lease and still run (a run, a flow, a worker using the server)."""
-    return _leases(directory)[0]
+    """The pids of the processes that hold a lease and still run (a run, a flow, a worker using the server).
+    Only reads: `server status` and `server stop` change nothing."""
+    return _leases(directory, remove_ended=False)[0]
 
 
-def _leases(directory: Path) -> tuple[list[int], float]:
-    """(live leaseholders' pids, the newest lease's time); the leases of ended processes are removed."""
+def _leases(directory: Path, *, remove_ended: bool) -> tuple[list[int], float]:
+    """(live leaseholders' pids, the newest lease's time)."""
     holders, last = [], 0.0
     for lease in (directory / "leases").glob("*"):
         try:
@@ -56,7 +58,7 @@ def _leases(directory: Path) -> tuple[list[int], float]:
             continue
         if pid_alive(pid) and ticks == str(start_ticks(pid)):
             holders.append(pid)
-        else:
+        elif remove_ended:
             lease.unlink(missing_ok=True)
     return sorted(holders), last
 
