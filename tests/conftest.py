@@ -165,21 +165,6 @@ def task_runs(flow_run_id: Any, *, settled: int = 0, timeout: float = 30) -> lis
 _exit_status: list[int] = []
 
 
-_config: list[pytest.Config] = []
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    _config.append(config)
-
-
-def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    """A test that pytest-rerunfailures runs again (scripts/test's SLURM shards) prints why it failed first:
-    a rerun that passes must still leave the first failure in the log."""
-    if report.outcome == "rerun" and (reporter := _config[-1].pluginmanager.get_plugin("terminalreporter")):
-        reporter.write_line(f"\n{report.nodeid} failed ({report.when}) and is run again. Why:")
-        reporter.write_line(report.longreprtext[-6000:])
-
-
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     _exit_status.append(int(exitstatus))
 
