@@ -1,6 +1,7 @@
 """`python -m bench`: every benchmark of issue 5 on this machine's local SLURM and login node, one command.
 
-    python -m bench                 full: 5 runs each, writes bench/results/latest.{md,json} and the timeline
+    python -m bench                 full: 5 runs each, writes bench/results/latest.{md,json} and the timeline, and
+                                    each benchmark's own output into bench/results/runs/ (bench/report.py)
     python -m bench --quick         CI: tiny sizes, one run, into a temporary directory; asserts no timings
     python -m bench --only overhead,cli --runs 7 --out DIR
     python -m bench --only scaling  registration at 2-16 fake nodes on a second local SLURM (not in --quick)
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -29,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import PYTHON, ROOT, machine, say, slurm_problem
-from bench.report import write_reports
+from bench.report import store_run, write_index, write_reports
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ORDER = ("cli", "overhead", "faults", "trials", "reports", "ui", "packing", "pruning", "startup", "deployment",
@@ -60,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             say(f"{name}: skipped: {no_slurm}")
             continue
         say(f"{name}: running")
-        begun = time.monotonic()
+        begun, at_start = time.monotonic(), machine()
         target = out / f"{name}.json"
         extra = ["--nodes", args.startup_nodes] if name == "startup" and args.startup_nodes else []
         code = _run([PYTHON, "-m", f"bench.{_module(name)}", *_arguments(name, args.quick, runs, out), *extra,
@@ -71,10 +73,14 @@ def main(argv: list[str] | None = None) -> int:
             continue
         sections[name] = json.loads(target.read_text()) | {"seconds": round(time.monotonic() - begun, 1)}
         target.unlink()
+        command = "python -m bench" + (" --quick" if args.quick else "") + f" --only {name} --runs {runs}" + (
+            f" --startup-nodes {args.startup_nodes}" if extra else "")
+        store_run(out, name, sections[name], at_start, command, os.getloadavg()[0], runs, args.quick)
     report = {"machine": info, "quick": args.quick, "runs": runs, "seconds": round(time.monotonic() - started, 1),
               "benchmarks": sections}
     md, js = write_reports(report, out)
-    say(f"wrote {md} and {js} in {report['seconds']:.0f} s")
+    index = write_index(out)
+    say(f"wrote {md}, {js} and {index} in {report['seconds']:.0f} s")
     if failed:
         say(f"failed: {', '.join(failed)}")
     return 1 if failed else 0

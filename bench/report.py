@@ -1,4 +1,11 @@
-"""latest.md (one Markdown table, the machine, and the details behind some figures) and latest.json."""
+"""What a bench run stores: every benchmark's own output, and the pages built from the stored outputs alone.
+
+- `runs/<date>-<time>-<name>.json` and `.md`: one benchmark of one run: its figures, the machine, the load average
+  at its start and end, the date and the exact command (`store_run`); written as each benchmark ends, kept;
+- `latest.md`/`latest.json`: the last `python -m bench` run, all its benchmarks in one table (`write_reports`);
+- `index.md`: every stored run of every benchmark, newest first, with its headline figures (`write_index`): the
+  benchmarks page includes it, so every set of runs is shown, not only the one that met its goal.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +13,64 @@ import json
 from pathlib import Path
 from typing import Any
 
+RUNS_DIR = "runs"
+
 
 def write_reports(report: dict[str, Any], out: Path) -> tuple[Path, Path]:
     md, js = out / "latest.md", out / "latest.json"
     js.write_text(json.dumps(report, indent=2, default=str) + "\n")
     md.write_text(markdown(report))
     return md, js
+
+
+def store_run(out: Path, name: str, section: dict[str, Any], machine: dict[str, Any], command: str,
+              load_at_end: float, runs: int, quick: bool) -> Path:
+    """One benchmark's output, with what it was measured on and how, as JSON and as a one-benchmark page."""
+    stamp = machine["date"].replace("-", "").replace(":", "").replace(" ", "-")[:15]
+    record = {"name": name, "command": command, "date": machine["date"], "runs": runs, "quick": quick,
+              "load_average": {"start": round(machine["load_average_at_start"], 2), "end": round(load_at_end, 2)},
+              "machine": machine, "section": section}
+    target = out / RUNS_DIR / f"{stamp}-{name}"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.with_suffix(".json").write_text(json.dumps(record, indent=2, default=str) + "\n")
+    one = {"machine": machine, "quick": quick, "runs": runs, "seconds": section.get("seconds", 0),
+           "benchmarks": {name: section}}
+    text = markdown(one).replace("`python -m bench`" + (" --quick" if quick else ""), f"`{command}`", 1)
+    target.with_suffix(".md").write_text(text)
+    return target.with_suffix(".json")
+
+
+def write_index(out: Path) -> Path:
+    """index.md from every stored run (runs/*.json): newest first per benchmark, each run's load and command."""
+    records = []
+    for path in sorted((out / RUNS_DIR).glob("*.json")):
+        try:
+            records.append((path, json.loads(path.read_text())))
+        except (OSError, ValueError):
+            continue
+    lines = ["# Every stored benchmark run", "",
+             "Built by `python -m bench` from `bench/results/runs/*.json` alone (each run's own file beside it, "
+             "`.md`); newest first. Load average: at the benchmark's start → its end, on "
+             "the machine named in its file.", ""]
+    for name in sorted({r["name"] for _, r in records}):
+        lines += [f"## {name}", "", "| date | command | load | figure | median | ratio to peers | met? |",
+                  "|---|---|---|---|---|---|---|"]
+        for path, r in sorted(((p, r) for p, r in records if r["name"] == name), key=lambda x: x[1]["date"],
+                              reverse=True):
+            head = (f"{r['date']} (`runs/{path.stem}.md`)", f"`{r['command']}`",
+                    f"{r['load_average']['start']:.1f} → {r['load_average']['end']:.1f}")
+            ours = [f for f in r["section"].get("figures", []) if f.get("ours")]
+            if not ours:
+                lines.append("| " + " | ".join([*head, _skip(r["section"]), "", "", ""]) + " |")
+            for i, f in enumerate(ours):
+                met = {True: "yes", False: "**no**", None: "not judged"}[f.get("met")]
+                lines.append("| " + " | ".join([*(head if i == 0 else ("", "", "")), f"{f['group']}: {f['label']}",
+                                                _value(f["median"], f["unit"]), _ratios(f) or "not measured",
+                                                met]) + " |")
+        lines.append("")
+    target = out / "index.md"
+    target.write_text("\n".join(lines))
+    return target
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -92,6 +151,8 @@ def _extra(name: str, section: dict[str, Any]) -> list[str]:
 
 
 def _skip(section: dict[str, Any]) -> str:
+    if "figures" in section:
+        return "no figure of hpc-garage's"
     return f"skipped: {section['skipped']}" if "skipped" in section else f"failed: {section.get('failed')}"
 
 

@@ -104,6 +104,32 @@ def test_quick_bench_runs_every_benchmark(tmp_path: Path) -> None:
     assert "| benchmark | who | median |" in (tmp_path / "latest.md").read_text()
 
 
+def test_each_benchmark_run_is_stored_with_its_machine_load_and_command_and_the_index_shows_every_run(
+        tmp_path: Path) -> None:
+    from bench.report import store_run, write_index
+
+    def section(median: float, met: bool | None) -> dict:
+        ours = Figure("deployment run vs submit", "deployment", "s", [median], ours=True, met=met)
+        ours.ratios = {"submit": median / 10}
+        return {"figures": [ours.to_dict(), Figure("deployment run vs submit", "submit", "s", [10.0]).to_dict()],
+                "seconds": 30.0}
+
+    for date, median, met in (("2026-11-26 10:00:00 UTC", 13.6, False), ("2026-11-27 09:30:00 UTC", 10.3, True)):
+        machine = {"date": date, "load_average_at_start": 2.5, "cpu": "x"}
+        stored = store_run(tmp_path, "deployment", section(median, met), machine,
+                           "python -m bench --only deployment --runs 5", 3.25, 5, False)
+        record = json.loads(stored.read_text())
+        assert record["command"] == "python -m bench --only deployment --runs 5" and record["date"] == date
+        assert record["load_average"] == {"start": 2.5, "end": 3.25} and record["machine"]["cpu"] == "x"
+        page = stored.with_suffix(".md").read_text()
+        assert "`python -m bench --only deployment --runs 5`" in page and f"- date: {date}" in page
+    index = write_index(tmp_path).read_text().splitlines()
+    rows = [line for line in index if "deployment run vs submit: deployment" in line]
+    assert len(rows) == 2  # every set of runs, the newest first, the one that missed its goal too
+    assert "2026-11-27 09:30:00" in rows[0] and "1.03× submit" in rows[0] and rows[0].endswith("| yes |")
+    assert "2026-11-26 10:00:00" in rows[1] and "1.36× submit" in rows[1] and rows[1].endswith("| **no** |")
+
+
 def test_per_task_overhead_is_idle_gpu_time_per_trial() -> None:
     from bench.packing import idle_per_trial
 
@@ -187,7 +213,8 @@ def test_pruning_judges_asha_against_ray_tune_and_the_unpruned_sweep_with_the_sa
     skipped = summarize({k: v for k, v in sweeps.items() if k != "ray"}, {"ray": "skipped: no pip"}, size)
     ray = next(f for f in skipped["figures"] if f["label"] == LABELS["ray"])
     assert ray["values"] == [] and ray["note"] == "skipped: no pip"
-    assert next(f for f in skipped["figures"] if f["label"] == LABELS["asha"])["met"] is True  # judged on what ran
+    asha_alone = next(f for f in skipped["figures"] if f["label"] == LABELS["asha"])
+    assert asha_alone["met"] is None and "against Ray Tune: not measured" in asha_alone["note"]  # no Ray, no verdict
     text = markdown({"machine": {"date": "today"}, "quick": False, "runs": 1, "seconds": 1.0,
                      "benchmarks": {"pruning": skipped | {"seconds": 60}}})
     assert "| skipped |" in text and f"| {LABELS['asha']} | 45.0 s | 12.0 s | 26 | – | 3 |" in text
