@@ -102,6 +102,9 @@ def test_quick_bench_runs_every_benchmark(tmp_path: Path) -> None:
     recorded = report["benchmarks"]["overhead"]["recorded_in_api"]
     assert recorded and all(r["completed"] == r["submitted"] for r in recorded)
     assert "| benchmark | who | median |" in (tmp_path / "latest.md").read_text()
+    stored = {json.loads(p.read_text())["name"] for p in (tmp_path / "runs").glob("*.json")}
+    assert stored == set(report["benchmarks"])  # each benchmark's own output, kept beside the run's table
+    assert all(f"## {name}" in (tmp_path / "index.md").read_text() for name in stored)
 
 
 def test_each_benchmark_run_is_stored_with_its_machine_load_and_command_and_the_index_shows_every_run(
