@@ -24,11 +24,12 @@ def write_reports(report: dict[str, Any], out: Path) -> tuple[Path, Path]:
 
 
 def store_run(out: Path, name: str, section: dict[str, Any], machine: dict[str, Any], command: str,
-              load_at_end: float, runs: int, quick: bool) -> Path:
+              load_at_end: float | None, runs: int, quick: bool) -> Path:
     """One benchmark's output, with what it was measured on and how, as JSON and as a one-benchmark page."""
     stamp = machine["date"].replace("-", "").replace(":", "").replace(" ", "-")[:15]
     record = {"name": name, "command": command, "date": machine["date"], "runs": runs, "quick": quick,
-              "load_average": {"start": round(machine["load_average_at_start"], 2), "end": round(load_at_end, 2)},
+              "load_average": {"start": round(machine["load_average_at_start"], 2),
+                               "end": None if load_at_end is None else round(load_at_end, 2)},
               "machine": machine, "section": section}
     target = out / RUNS_DIR / f"{stamp}-{name}"
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -58,14 +59,15 @@ def write_index(out: Path) -> Path:
         for path, r in sorted(((p, r) for p, r in records if r["name"] == name), key=lambda x: x[1]["date"],
                               reverse=True):
             head = (f"{r['date']} (`runs/{path.stem}.md`)", f"`{r['command']}`",
-                    f"{r['load_average']['start']:.1f} → {r['load_average']['end']:.1f}")
+                    f"{r['load_average']['start']:.1f} → " + ("not recorded" if r["load_average"]["end"] is None
+                                                             else f"{r['load_average']['end']:.1f}"))
             ours = [f for f in r["section"].get("figures", []) if f.get("ours")]
             if not ours:
                 lines.append("| " + " | ".join([*head, _skip(r["section"]), "", "", ""]) + " |")
             for i, f in enumerate(ours):
                 met = {True: "yes", False: "**no**", None: "not judged"}[f.get("met")]
                 lines.append("| " + " | ".join([*(head if i == 0 else ("", "", "")), f"{f['group']}: {f['label']}",
-                                                _value(f["median"], f["unit"]), _ratios(f) or "not measured",
+                                                _value(f["median"], f["unit"]), _ratios(f) or "–",
                                                 met]) + " |")
         lines.append("")
     target = out / "index.md"

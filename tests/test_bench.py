@@ -239,3 +239,13 @@ def test_report_cost_is_per_call_against_the_loop_that_never_reports_and_latency
     assert figures[f"while {PLAIN}"]["values"] == [0.2] and figures[f"while {PLAIN}"]["met"] is False  # p95 over 100 ms
     assert figures[f"while {MEDIAN}"]["met"] is True and figures[IDLE]["values"] == [0.002]
     assert out["latency"][PLAIN]["samples"] == 2 and NEVER not in out["latency"]
+
+
+def test_the_benchmarks_page_shows_figures_only_from_stored_outputs() -> None:
+    """docs/benchmarks.md includes bench/results/ files for its figures: no table or ratio of its own."""
+    page = (ROOT / "docs" / "benchmarks.md").read_text().splitlines()
+    includes = [line.split('"')[1].split(":")[0] for line in page if line.startswith("--8<--")]
+    assert includes and all(path.startswith("bench/results/") and (ROOT / path).is_file() for path in includes)
+    assert "bench/results/index.md" in includes and "bench/results/latest.md" in includes
+    typed = [line for line in page if not line.startswith("--8<--") and (line.startswith("|") or "×" in line)]
+    assert typed == []
