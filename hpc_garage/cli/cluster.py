@@ -10,6 +10,7 @@ import click
 
 from hpc_garage.cli import options
 from hpc_garage.core.errors import UserError
+from hpc_garage.core.request_options import SHAPE
 from hpc_garage.variables import SITE_ENV, SYSFS_ROOT_ENV
 
 SHOW_JSON_INDENT_MAX = 1024  # workers above which `show --json` prints compact JSON
@@ -57,12 +58,7 @@ def sites(as_json: bool) -> None:
 
 @options.command(context_settings={"allow_interspersed_args": False},
                  exclusive=(("as_json", "as_script", "worker_script"),))
-@click.option("--site", "site_name", envvar=SITE_ENV, required=True, help="Site name or path to a site file.")
-@click.option("--nodes", "-N", type=int, help="Nodes to request (default 1).")
-@click.option("--gpus-per-node", type=int, help="GPUs per node (default: all of the node's).")
-@click.option("--cores-per-node", type=int, help="Cores per node (default: all).")
-@click.option("--mem", "memory", callback=options.memory, help="Memory per node: 64GiB, 64GB, 64G, or MiB as a bare number; 0: the whole node, as sbatch.")
-@click.option("--time", "-t", "walltime", callback=options.walltime, help="Walltime: 01:30:00, 1-00:00:00, 90 (minutes), 2h.")
+@options.request_flags(SHAPE)
 @click.option("--json", "as_json", is_flag=True, help="Print exactly one JSON object.")
 @click.option("--script", "as_script", is_flag=True, help="Print the job script `submit` would render instead.")
 @click.option("--worker-script", is_flag=True, help="Jobqueue sites: print each pool's worker job script.")

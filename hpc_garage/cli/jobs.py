@@ -10,7 +10,6 @@ from typing import Any
 import click
 
 from hpc_garage.cli import options
-from hpc_garage.variables import SITE_ENV
 
 
 def _submit_prepared(prepared: Any, dry_run: bool, wait: bool, walltime: int | None = None) -> None:
@@ -61,19 +60,9 @@ def _follow(submission: Any, job_id: str, site: str) -> None:
 
 
 @options.command(context_settings={"allow_interspersed_args": False})
-@click.option("--site", "site_name", envvar=SITE_ENV, required=True, help="Site name or path to a site file.")
-@click.option("--nodes", "-N", type=int, help="Nodes (default 1).")
-@click.option("--gpus-per-node", type=int, help="GPUs per node (default: all of the node's).")
-@click.option("--cores-per-node", type=int, help="Cores per node (default: all).")
-@click.option("--time", "-t", "walltime", callback=options.walltime, help="Walltime: 01:30:00, 1-00:00:00, 90 (minutes), 2h.")
-@click.option("--mem", "memory", callback=options.memory, help="Memory per node: 64GiB, 64GB, 64G, or MiB as a bare number; 0: the whole node, as sbatch.")
-@click.option("--account", "-A", help="Account to charge (default: the site's).")
-@click.option("--qos", help="Quality of service (SLURM; default: the site's).")
-@click.option("--job-name", "-J", help="Job name: letters, digits, . _ + - (default: the script's name).")
+@options.request_flags()
 @click.option("--dry-run", is_flag=True, help="Print the job script; submit and create nothing.")
 @click.option("--wait", is_flag=True, help="Follow the job (and its follow-up jobs) until the sweep ends; exit with its exit code.")
-@click.option("--sweep", help="The sweep this job belongs to (default: named after the site, script and arguments).")
-@click.option("--resume", is_flag=True, help="Continue the sweep's latest epoch: finished trials are read back, not run.")
 @click.argument("script")
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def submit(site_name: str, script: str, args: tuple[str, ...], dry_run: bool, wait: bool, sweep: str | None,

@@ -1,14 +1,16 @@
 """What every command shares: the command class that refuses an option given twice or two that exclude each
-other, and the parsers of option values. Light: nothing here imports more than click and core."""
+other, the request flags (built from core/request_options.py's table) and the parsers of other option values.
+Light: nothing here imports more than click, core and variables."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import click
 
 from hpc_garage.core.errors import UserError
+from hpc_garage.variables import SITE_ENV
 
 
 class Command(click.Command):
@@ -69,23 +71,42 @@ def refuse_repeats(command: click.Command, ctx: click.Context, args: list[str]) 
 # ------------------------------------------------------------------------------------------ option values
 
 
-def memory(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
-    """Memory per node; 0 means what sbatch's --mem=0 means: the node's memory (the site's default)."""
-    from hpc_garage.core.units import parse_memory
+def request_flags(names: Sequence[str] | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The click options of core/request_options.py's rows `names` (default: every row with a flag), in the
+    table's order: their spellings, help and reading are the table's; the site also comes from $HPC_GARAGE_SITE.
+    Each request flag reaches the command as its Request field (`memory` for --mem), the site as `site_name`."""
+    from hpc_garage.core.request_options import BY_NAME, OPTIONS
 
-    try:
-        return None if value is None else parse_memory(value) or None
-    except ValueError as exc:
-        raise click.BadParameter(str(exc)) from None
+    rows = [o for o in OPTIONS if o.flags] if names is None else [BY_NAME[name] for name in names]
+
+    def decorate(function: Callable[..., Any]) -> Callable[..., Any]:
+        for option in reversed(rows):  # click lists the decorator applied last first
+            settings: dict[str, Any] = {"help": option.help}
+            if option.kind == "count":
+                settings["type"] = int
+            elif option.kind == "flag":
+                settings["is_flag"] = True
+            elif option.kind in ("memory", "walltime"):
+                settings["callback"] = _reader(option)
+            param = option.field or option.name
+            if option.name == "site":
+                param, settings["envvar"], settings["required"] = "site_name", SITE_ENV, True
+            function = click.option(*option.flags, param, **settings)(function)
+        return function
+
+    return decorate
 
 
-def walltime(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
-    from hpc_garage.core.units import parse_walltime
+def _reader(option: Any) -> Callable[[click.Context, click.Parameter, Any], Any]:
+    """A click callback that reads a value as the table's row does (`RequestOption.read`)."""
 
-    try:
-        return None if value is None else parse_walltime(value)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc)) from None
+    def read(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+        try:
+            return option.read(value)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc)) from None
+
+    return read
 
 
 def request_of(options: dict[str, Any]) -> Any:

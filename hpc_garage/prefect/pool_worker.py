@@ -26,20 +26,21 @@ import os
 import re
 import time
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar
 from uuid import UUID
 
 import anyio
 import anyio.abc
-from pydantic import Field, PrivateAttr
+from pydantic import PrivateAttr
 from prefect.client.schemas.filters import (FlowRunFilter, FlowRunFilterId, FlowRunFilterState,
                                             FlowRunFilterStateType, WorkPoolFilter, WorkPoolFilterName)
 from prefect.client.schemas.objects import StateType
 from prefect.exceptions import InfrastructureNotFound
 from prefect.states import Cancelled, Crashed, Failed, Pending, Scheduled
-from prefect.workers.base import BaseJobConfiguration, BaseVariables, BaseWorker, BaseWorkerResult
+from prefect.workers.base import BaseWorker, BaseWorkerResult
 
 from hpc_garage.core.errors import UserError
+from hpc_garage.prefect.job_variables import NOT_OURS, GarageVariables, JobVariableFields
 from hpc_garage.variables import PREFECT_SERVER_ENV
 
 logger = logging.getLogger(__name__)
@@ -48,57 +49,12 @@ ENGINE = "hpc_garage.prefect.flow_run"  # COMMAND: Prefect's engine, unless the 
 FOLLOW_SECONDS = 3.0  # a followed job and its flow run are looked at this often (one squeue, one API call)
 ADOPT_AFTER = 30.0  # s a flow run may stay Pending with no job before a restarted worker submits it again
 FINAL = (StateType.COMPLETED, StateType.FAILED, StateType.CRASHED, StateType.CANCELLED)
-_NOT_OURS = ("name", "labels", "command")  # BaseVariables' fields the job does not use: not in the run form
 
 
-class GarageVariables(BaseVariables):
-    """The run form: `hpc-garage submit`'s flags, one field each."""
-
-    site: Optional[str] = Field(default=None, description="Site name or site file (`hpc-garage sites` lists them).")
-    nodes: Optional[int] = Field(default=None, description="Nodes (submit's --nodes; default 1).", ge=1)
-    gpus_per_node: Optional[int] = Field(default=None, title="GPUs per node",
-                                         description="GPUs per node (default: all of the node's).", ge=0)
-    cores_per_node: Optional[int] = Field(default=None, description="Cores per node (default: all).", ge=1)
-    mem: Optional[str] = Field(default=None, title="Memory per node",
-                               description="64GiB, 64G, or MiB as a bare number; 0: the whole node (default).")
-    time: Optional[str] = Field(default=None, title="Walltime",
-                                description="01:30:00, 1-00:00:00, 90 (minutes), 2h (default: the site's).")
-    account: Optional[str] = Field(default=None, description="Account to charge (default: the site's).")
-    qos: Optional[str] = Field(default=None, title="QOS", description="Quality of service (SLURM; default: the site's).")
-    job_name: Optional[str] = Field(default=None, description="Job name; the flow run's short id is appended "
-                                    "(default: prefect-<id>).")
-    sweep: Optional[str] = Field(default=None, description="The sweep the run belongs to (default: named after "
-                                 "the flow and the deployment); each run is a fresh epoch of it.")
-    resume: bool = Field(default=False, description="Continue the sweep's latest epoch: finished trials are read "
-                         "back, not run.")
-    scheduler_options: list[str] = Field(default_factory=list, title="Scheduler options",
-                                         description="Other batch-system options, as the job script's "
-                                         "directives spell them, e.g. --constraint=a100.")
-
-    @classmethod
-    def model_json_schema(cls, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        schema = super().model_json_schema(*args, **kwargs)
-        for name in _NOT_OURS:
-            schema["properties"].pop(name, None)
-        return schema
-
-
-class GarageJobConfiguration(BaseJobConfiguration):
-    """The templated variables as they reach the worker. Loosely typed on purpose: each value is checked by
-    hpc-garage's own rules (schedulers/flow_run_jobs.py), so a bad one fails the flow run in one line."""
-
-    site: Any = None
-    nodes: Any = None
-    gpus_per_node: Any = None
-    cores_per_node: Any = None
-    mem: Any = None
-    time: Any = None
-    account: Any = None
-    qos: Any = None
-    job_name: Any = None
-    sweep: Any = None
-    resume: Any = None
-    scheduler_options: Any = None
+class GarageJobConfiguration(JobVariableFields):
+    """The templated variables as they reach the worker, one field per job variable (prefect/job_variables.py).
+    Loosely typed on purpose: each value is checked by hpc-garage's own rules (schedulers/flow_run_jobs.py), so a
+    bad one fails the flow run in one line."""
 
     _workdir: str = PrivateAttr(default="")
     _default_sweep: str = PrivateAttr(default="prefect")
@@ -171,7 +127,7 @@ class PoolWorker(BaseWorker[GarageJobConfiguration, GarageVariables, GarageResul
     @classmethod
     def get_default_base_job_template(cls) -> dict[str, Any]:
         template = super().get_default_base_job_template()
-        for name in _NOT_OURS:
+        for name in NOT_OURS:
             template["job_configuration"].pop(name, None)
         return template
 
