@@ -4,6 +4,8 @@
 - docs/reference/site-file.md    every site-file key, from the site models (`hpc_garage.core.site`, through the
                                  plain-data description `hpc_garage.sites.fields` that `fields_gen` writes), with
                                  the comment beside each field in the model's source
+- docs/reference/job-variables.md  the request options: the work pool's job variables and the flags they are, from
+                                 their one table (`hpc_garage.core.request_options`)
 - docs/reference/environment.md  every HPC_GARAGE_* variable, from `hpc_garage.variables` (name, comment)
 - docs/reference/errors.md       every one-line error (`UserError(...)`) in the source, grouped by where it comes from
 
@@ -179,6 +181,33 @@ def site_page() -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+# ---- the request options: job variables and flags ------------------------------------------------------------
+
+_KIND_TEXT = {"count": "whole number", "memory": "memory, e.g. `64GiB`", "walltime": "walltime, e.g. `2h`",
+              "text": "text", "flag": "true or false", "directives": "list of text"}
+
+
+def job_variables_page() -> str:
+    from hpc_garage.core.request_options import OPTIONS
+
+    lines = ["# Job variables and request flags", "", GENERATED.strip(), "",
+             "What a job asks for, written once in `hpc_garage/core/request_options.py`: each row is a job variable "
+             "of the `hpc-garage` work pool (a deployment's `job_variables`, the UI's run form: "
+             "[Deployments and the UI](../how-to/deployments.md)), the `hpc-garage submit` flag it is, and how "
+             "`hpc-garage sbatch` spells it. A value left unset takes the site's default.", "",
+             "| job variable | type | default | `submit` | `sbatch` | meaning |", "|---|---|---|---|---|---|"]
+    for option in OPTIONS:
+        kind = _KIND_TEXT[option.kind] + (f" ≥ {option.minimum}" if option.minimum is not None else "")
+        default = "unset" if option.default is None else f"`{json.dumps(option.default)}`"
+        flags = ", ".join(f"`{f}`" for f in option.flags) or "—"
+        sbatch = ", ".join(f"`{f}`" for f in option.sbatch) or "—"
+        meaning = option.help.replace("|", "\\|")
+        lines.append(f"| `{option.name}` | {kind} | {default} | {flags} | {sbatch} | {meaning} |")
+    lines += ["", "`env` (Prefect's own job variable) is the environment the flow run gets; hpc-garage exports it "
+              "in the job script.", ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
 # ---- environment variables -----------------------------------------------------------------------------------
 
 def environment_page() -> str:
@@ -301,7 +330,7 @@ def layout_page() -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-PAGES = {"cli.md": cli_page, "layout.md": layout_page, "site-file.md": site_page, "environment.md": environment_page, "errors.md": errors_page}
+PAGES = {"cli.md": cli_page, "job-variables.md": job_variables_page, "layout.md": layout_page, "site-file.md": site_page, "environment.md": environment_page, "errors.md": errors_page}
 
 
 def main(argv: list[str] | None = None) -> int:

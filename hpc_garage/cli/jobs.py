@@ -86,13 +86,12 @@ def submit(site_name: str, script: str, args: tuple[str, ...], dry_run: bool, wa
 def sbatch(argv: tuple[str, ...]) -> None:
     """Submit like sbatch: the options you know, the same job as `submit`.
 
-    Understood: -N/--nodes, -p/--partition, --gres=gpu[:TYPE]:N, -G/--gpus (total, split over nodes),
-    --gpus-per-node, -t/--time, --mem (per node), -c/--cpus-per-task (cores per Dask worker),
-    -A/--account, -J/--job-name, -o/--output, -e/--error, -q/--qos, -W/--wait, plus --site NAME and
-    --dry-run. The site is --site, or the one SLURM site (default launch) whose queue is the partition. Other sbatch
-    options (-C/--constraint, --exclusive, --mail-type, ...) are written into the job script as #SBATCH
-    lines; options that contradict the site's worker layout (-n, --ntasks-per-node, --mem-per-cpu,
-    --array, ...) are refused with the reason.
+    Understood: REQUEST_OPTIONS, each as `submit` reads it (--mem per node); and sbatch's -p/--partition,
+    --gres=gpu[:TYPE]:N, -G/--gpus (total, split over nodes), -c/--cpus-per-task (cores per Dask worker),
+    -o/--output, -e/--error, -W/--wait, plus --dry-run. The site is --site, or the one SLURM site (default
+    launch) whose queue is the partition. Other sbatch options (-C/--constraint, --exclusive, --mail-type, ...)
+    are written into the job script as #SBATCH lines; options that contradict the site's worker layout (-n,
+    --ntasks-per-node, --mem-per-cpu, --array, ...) are refused with the reason.
     """
     from hpc_garage.schedulers.sbatch_options import parse, site_for
     from hpc_garage.schedulers.submission import prepare
@@ -102,6 +101,16 @@ def sbatch(argv: tuple[str, ...]) -> None:
     prepared = prepare(site_name, call.script, call.args, call.request(), output=call.output, error=call.error,
                        sweep=call.sweep, resume=call.resume)
     _submit_prepared(prepared, call.dry_run, call.wait, call.request().walltime)
+
+
+def _sbatch_spellings() -> str:
+    """The request options' sbatch spellings, from their table (core/request_options.py), for sbatch's help."""
+    from hpc_garage.core.request_options import OPTIONS
+
+    return ", ".join("/".join(o.sbatch) for o in OPTIONS if o.sbatch)
+
+
+sbatch.help = (sbatch.help or "").replace("REQUEST_OPTIONS", _sbatch_spellings())
 
 
 @options.command()

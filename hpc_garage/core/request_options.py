@@ -47,7 +47,7 @@ class RequestOption:
     def read(self, value: Any) -> Any:
         """A value as a job variable carries it (JSON: a number may come as text) → what the request holds;
         None for an unset or empty value. ValueError, in words, for one that cannot be read."""
-        if value is None or (value == "" and self.kind != "flag"):
+        if value is None or value == "":
             return None
         also = f" (submit's {self.flag})" if self.flag else ""
         if self.kind == "count":

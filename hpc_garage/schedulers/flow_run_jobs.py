@@ -29,7 +29,7 @@ from typing import Any
 
 from hpc_garage.core.errors import UserError
 from hpc_garage.core.request import Request
-from hpc_garage.core.units import parse_memory, parse_walltime
+from hpc_garage.core.request_options import OPTIONS as REQUEST_OPTIONS
 from hpc_garage.files import locked, pid_alive, read_json, write_json
 from hpc_garage.schedulers.submission import (JobView, Prepared, adopt, find, next_job_of, prepare, refresh,
                                               run_root, run_roots, submit)
@@ -41,8 +41,7 @@ logger = logging.getLogger(__name__)
 
 CLAIMS = "prefect-flow-runs"  # under a site's run root: one <flow run id>.json per flow run taken on
 MODULE = "prefect.engine"  # COMMAND: Prefect's own engine, given the flow run's id (unless the worker names another)
-VARIABLES = ("site", "nodes", "gpus_per_node", "cores_per_node", "mem", "time", "account", "qos", "job_name",
-             "sweep", "resume", "scheduler_options")
+VARIABLES = tuple(option.name for option in REQUEST_OPTIONS)  # the work pool's job variables
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
@@ -94,45 +93,16 @@ def request_of(values: Mapping[str, Any]) -> tuple[str, Request, str | None, boo
         raise UserError(f"job variable site is {'not set' if site in (None, '') else repr(site)}; give a site name "
                         "or file in the work pool's template or the deployment's job_variables, e.g. "
                         '{"site": "lab-gpu"} (`hpc-garage sites` lists them)')
-    fields: dict[str, Any] = {}
-    for name in ("nodes", "gpus_per_node", "cores_per_node"):
-        value = values.get(name)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int):
-            if isinstance(value, str) and value.strip().isdigit():
-                value = int(value)
-            else:
-                raise UserError(f"job variable {name} {value!r}: give a whole number (submit's "
-                                f"--{name.replace('_', '-')})")
-        fields[name] = value
-    for name, parse, field in (("mem", parse_memory, "memory"), ("time", parse_walltime, "walltime")):
-        value = values.get(name)
-        if value in (None, ""):
-            continue
+    read: dict[str, Any] = {}
+    for option in REQUEST_OPTIONS:  # each read as its row says (core/request_options.py)
+        value = values.get(option.name)
         try:
-            fields[field] = parse(value) or None if name == "mem" else parse(value)
+            read[option.name] = option.read(value)
         except (TypeError, ValueError) as exc:
-            raise UserError(f"job variable {name} {value!r}: {exc}") from None
-    for name in ("account", "qos", "job_name"):
-        value = values.get(name)
-        if value in (None, ""):
-            continue
-        if not isinstance(value, str):
-            raise UserError(f"job variable {name} {value!r}: give text (submit's --{name.replace('_', '-')})")
-        fields[name] = value
-    options = values.get("scheduler_options") or []
-    if isinstance(options, str) or not isinstance(options, Sequence) \
-            or not all(isinstance(o, str) and o.strip() for o in options):
-        raise UserError(f"job variable scheduler_options {options!r}: give a list of batch-system options as "
-                        'written after #SBATCH or #PBS, e.g. ["--constraint=a100"]')
-    fields["extra_directives"] = tuple(o.strip() for o in options)
-    sweep = values.get("sweep")
-    if sweep is not None and not isinstance(sweep, str):
-        raise UserError(f"job variable sweep {sweep!r}: give a sweep name (submit's --sweep)")
-    resume = values.get("resume") or False
-    if not isinstance(resume, bool):
-        raise UserError(f"job variable resume {resume!r}: give true or false (submit's --resume)")
+            raise UserError(f"job variable {option.name} {value!r}: {exc}") from None
+    fields = {option.field: read[option.name] for option in REQUEST_OPTIONS
+              if option.field and read[option.name] is not None}
+    sweep, resume = read["sweep"], bool(read["resume"])
     return site.strip(), Request(**fields), sweep or None, resume
 
 

@@ -29,26 +29,20 @@ from typing import Any
 
 from hpc_garage.core.errors import UserError
 from hpc_garage.core.request import Request
+from hpc_garage.core.request_options import OPTIONS as REQUEST_OPTIONS
 
-# option -> field, for options that take a value and shape the request
-_VALUED = {
-    "-N": "nodes", "--nodes": "nodes",
+# option -> key of the parsed values: the request options' sbatch spellings (core/request_options.py, keyed by
+# their job-variable names), then those of sbatch alone
+_VALUED = {spelling: o.name for o in REQUEST_OPTIONS if o.kind != "flag" for spelling in o.sbatch} | {
     "-p": "partition", "--partition": "partition",
     "--gres": "gres",
     "-G": "gpus", "--gpus": "gpus",
-    "--gpus-per-node": "gpus_per_node",
-    "-t": "time", "--time": "time",
-    "--mem": "mem",
     "-c": "cpus_per_task", "--cpus-per-task": "cpus_per_task",
-    "-A": "account", "--account": "account",
-    "-J": "job_name", "--job-name": "job_name",
     "-o": "output", "--output": "output",
     "-e": "error", "--error": "error",
-    "-q": "qos", "--qos": "qos",
-    "--site": "site",
-    "--sweep": "sweep",
 }
-_FLAGS = {"--dry-run": "dry_run", "-W": "wait", "--wait": "wait", "--resume": "resume", "--parsable": None}  # None: accepted, implied
+_FLAGS = {spelling: o.name for o in REQUEST_OPTIONS if o.kind == "flag" for spelling in o.sbatch} | {
+    "--dry-run": "dry_run", "-W": "wait", "--wait": "wait", "--parsable": None}  # None: accepted, implied
 _REFUSED = {
     "-n": "hpc-garage asks for --ntasks-per-node from the site's worker layout; drop -n/--ntasks",
     "--ntasks": "hpc-garage asks for --ntasks-per-node from the site's worker layout; drop -n/--ntasks",
