@@ -115,10 +115,13 @@ def test_the_named_asha_has_a_rung_at_step_1_before_any_trial_finished() -> None
 
 def test_the_named_asha_is_waited_for_at_its_rungs_only_and_the_others_at_every_step() -> None:
     """A trial's report waits for the answer only where the pruner can stop it: the named successive halving's
-    rungs (steps 1, 4, 16, 64 with Ray Tune's ASHA defaults), every step for any other pruner or an instance."""
+    rungs (steps 1, 4, 16, 64 with Ray Tune's ASHA defaults), the named Hyperband's at its brackets' rungs (issue
+    31: it had none), every step for any other pruner or an instance."""
     asha = TrialPruner("asha", "min")
     assert [asha.next_decision(s) for s in (0, 1, 2, 3, 4, 15, 16, 63)] == [1, 4, 4, 4, 16, 16, 64, 64]
-    for other in ("median", "hyperband", optuna.pruners.SuccessiveHalvingPruner(min_resource=1)):
+    hyperband = TrialPruner("hyperband", "min")
+    assert [hyperband.next_decision(s) for s in (0, 1, 3, 4, 15, 16)] == [1, 4, 4, 16, 16, 64]  # bracket 0
+    for other in ("median", optuna.pruners.SuccessiveHalvingPruner(min_resource=1)):
         assert [TrialPruner(other, "min").next_decision(s) for s in (0, 1, 7)] == [1, 2, 8]
 
 

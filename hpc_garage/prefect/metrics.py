@@ -1,5 +1,5 @@
-"""The flow's side of `hpc_garage.trial.report()`: store what the trials report, ask the pruner, stop the
-trials it prunes.
+"""The flow's side of `hpc_garage.trial.report()`: store what the trials report, hand them to the pruner's
+decisions (prefect/decisions.py), send its answers and stops to the trials' workers.
 
 The trials' reports arrive as Dask events on the task runner's own client (each worker logs them, several to an
 event, on its batched stream to the scheduler, which forwards them to subscribed clients): no Prefect API call, no extra
@@ -8,15 +8,11 @@ disk or a pruner never holds up the client. It:
 - appends each report to `metrics/<trial>.jsonl` in the job's run directory and keeps `metrics/trials.json`
   (each trial's last and best values, its state; the best trial; counts) up to date, at most once a second
   and at the end (the readers: status, the report, the Prefect artifacts);
-- with a pruner (`task_runner(pruner=..., metric=...)`), gives it the metric at every report and answers the
-  reports a trial waits on (trial.report: a trial whose steps are slow waits for the decision, as under Ray
+- with a pruner (`task_runner(pruner=..., metric=...)`), hands every report of the metric to the pruner's
+  decisions (which report is decided when, successive halving's rungs, the answers) and sends the answers to
+  the reports a trial waits on (trial.report: a trial whose steps are slow waits for the decision, as under Ray
   Tune; a worker plugin tells every worker that answers come), through Dask's `run` op on that one worker
-  (`stopping.decided`), which stops a pruned trial first; the trial sees `should_stop()` and returns. The
-  answer names the step the trial waits at next (successive halving's next rung). A report that reaches a
-  rung fewer trials than the reduction factor have reached is held for its rivals (one of its steps, until
-  the running trials expected there soon arrive, or, at the first rung while submitted tasks have not reported
-  yet, until the rung has its share; HOLD_MAX at most), then the held ones are decided the best first. A
-  trial the epoch's study already has as pruned (a rerun after its job ended) is stopped at its first report;
+  (`stopping.decided`), which stops a pruned trial first; the trial sees `should_stop()` and returns;
 - notes each trial's end when its task's future does (HpcTaskRunner hands it over): "done", "failed", or
   "interrupted" (its job ended first: Prefect's Crashed); a pruned trial stays "pruned".
 Without a run directory (plain python) nothing is written; without a pruner nothing is decided.
@@ -40,18 +36,17 @@ from distributed.diagnostics.plugin import WorkerPlugin
 from hpc_garage.cluster import stopping
 from hpc_garage.cluster.stopping import REPORT_TOPIC
 from hpc_garage.files import append_private, write_json
+from hpc_garage.prefect.decisions import HOLD_MAX, Answers, PrunerDecisions
 from hpc_garage.pruning import TrialPruner, journal_path
 from hpc_garage.rundir import RunDir
 
-__all__ = ["FLUSH_EVERY", "TrialMetrics"]
+__all__ = ["FLUSH_EVERY", "HOLD_MAX", "TrialMetrics"]
 
 logger = logging.getLogger(__name__)
 
 FLUSH_EVERY = 1.0  # s: the files are brought up to date at most this often (and at the end)
 BATCH = 10_000  # reports drained at once at most (the pruner decides at every one)
 SENDERS = 2  # threads sending the pruner's answers and stops to the workers
-HOLD_MAX = 1.0  # s a report at a rung with few trials on it waits for its rivals at most
-ARRIVAL_SLACK = 0.25  # of a rival's step: how much later than its pace says it may reach the rung
 CLOSE_TIMEOUT = 30.0  # s the flow waits at its end for the last reports to be written
 FINAL_STATES = {"COMPLETED": "done", "CRASHED": "interrupted"}  # Prefect state of the task -> the trial's; else failed
 
@@ -65,6 +60,7 @@ class TrialMetrics:
         self.run_dir = run_dir
         self._pruner_setting, self._journal = pruner, journal
         self.pruner: TrialPruner | None = None
+        self.decisions: PrunerDecisions | None = None  # with a pruner: which report is decided when, answers
         self._queue: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._client: Any = None
         self._thread: threading.Thread | None = None
@@ -74,15 +70,7 @@ class TrialMetrics:
         self._first_metric: str | None = None  # without a metric: the first one reported ranks the trials
         self._lines: dict[str, list[str]] = {}  # trial id -> its JSON lines not yet written
         self._ended_early: OrderedDict[str, float] = OrderedDict()  # task run id -> when it ended, unreported yet
-        self._stopped: set[str] = set()  # task run ids told to stop
         self._sender: ThreadPoolExecutor | None = None  # sends stops and answers to the workers
-        # reports waiting for their rivals at a rung (successive halving), with that rung (None: a later report of
-        # a trial whose report waits there)
-        self._held: list[tuple[dict[str, Any], int | None]] = []
-        self._release_at: float | None = None  # monotonic time the held reports are decided at the latest
-        self._held_since = 0.0  # monotonic time the first of them was held
-        self._in_flight: set[str] = set()  # task run ids submitted and not ended (with a pruner)
-        self._pace: dict[str, tuple[float, int, float]] = {}  # trial id -> (its last report here, its step, s/step)
         self._dirty = False
         self._write_failed = False
 
@@ -106,6 +94,8 @@ class TrialMetrics:
                 logger.warning("the pruner's journal %s cannot be used (%s); its study is kept in memory only",
                                self._journal, exc)
                 self.pruner = TrialPruner(self._pruner_setting, self.mode, None)
+            assert self.metric is not None  # (check_settings: a pruner needs one)
+            self.decisions = PrunerDecisions(self.pruner, self.metric, self.mode, self.trials, self._runs, self._send)
         if self.run_dir is not None:
             self.run_dir.metrics_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._client = client
@@ -154,7 +144,8 @@ class TrialMetrics:
         next_flush = time.monotonic() + FLUSH_EVERY
         while True:
             batch: list[tuple[Any, ...]] = []
-            wake = next_flush if self._release_at is None else min(next_flush, self._release_at)
+            release_at = self.decisions.release_at if self.decisions is not None else None
+            wake = next_flush if release_at is None else min(next_flush, release_at)
             try:
                 batch.append(self._queue.get(timeout=max(0.0, wake - time.monotonic())))
                 while len(batch) < BATCH:
@@ -176,29 +167,24 @@ class TrialMetrics:
         """Reports in order, the pruner asked at each one: ASHA and Hyperband record a trial's value at a rung
         as the value they are asked with, so a later step's (lower) loss must never stand in for a rung's.
         Then each trial waiting for its answer (trial.report) gets it: its last report's, one Dask run op."""
-        answers: dict[str, tuple[str | None, int, bool, int]] = {}
+        answers: Answers = {}
+        decisions = self.decisions
         for item in batch:
             if item[0] == "reports":
                 for msg in item[1]:
                     self._report(msg, answers)
-            elif item[0] == "submit":
-                self._in_flight.add(item[1])
+            elif item[0] == "submit" and decisions is not None:
+                decisions.submitted(item[1])
             elif item[0] == "end":
-                self._in_flight.discard(item[1])
-                if self._holds(item[1]):  # its held reports first: the pruner learns of its end after them
-                    self._release(answers)
+                if decisions is not None and decisions.ended(item[1]):  # its held reports first: the pruner
+                    self._release(answers)                               # learns of its end after them
                 self._end(item[1], item[2], item[3])
             elif item[0] == "close":
                 self._release(answers)
-        if self._release_at is not None and time.monotonic() >= self._release_at:
-            self._release(answers)
-        for run_id, (worker, number, pruned, wait_from) in answers.items():
-            self._answer(run_id, worker, number, pruned, wait_from)
-
-    def _answer(self, run_id: str, worker: str | None, number: int, pruned: bool, wait_from: int) -> None:
-        """Tell the trial's worker that report `number` was decided, stopping the trial where it was pruned, and
-        from which step its reports wait for an answer again (the pruner's next possible decision)."""
-        self._send(worker, stopping.decided, run_id, number, pruned, wait_from)
+        if decisions is not None:
+            if decisions.due():
+                self._release(answers)
+            decisions.answer(answers)
 
     def _send(self, worker: str | None, function: Any, *args: Any, **kwargs: Any) -> None:
         """Run `function` on the trial's worker (Dask's run op), from a thread of its own: the drain thread
@@ -215,13 +201,13 @@ class TrialMetrics:
 
         self._sender.submit(send)
 
-    def _report(self, msg: dict[str, Any], answers: dict[str, tuple[str | None, int, bool, int]]) -> None:
+    def _report(self, msg: dict[str, Any], answers: Answers) -> None:
         trial_id, run_id, step, values = str(msg["trial"]), str(msg["run"]), int(msg["step"]), msg["values"]
         record = self.trials.get(trial_id)
         if record is None or record["run"] != run_id:  # its first report, or a new run of it (a retry)
             record = self._new_run(trial_id, run_id, msg, record)
-        if self.pruner is not None and self.pruner.first_rung is not None:  # (what a held report waits for)
-            self._note_pace(trial_id, record["last_step"], step, msg.get("since"))
+        if self.decisions is not None:  # (what a held report waits for)
+            self.decisions.note_pace(trial_id, record["last_step"], step, msg.get("since"))
         record["reports"] += 1
         record["last_step"], record["worker"] = step, msg.get("worker")
         record["last"].update(values)
@@ -233,84 +219,20 @@ class TrialMetrics:
         self._lines.setdefault(trial_id, []).append(
             json.dumps({"step": step, "time": msg.get("time"), "values": values}))
         self._dirty = True
-        if self.pruner is not None and self.metric in values:
-            rung = self.pruner.rung_due(trial_id, step) if record["state"] == "running" else None
-            if self._holds(run_id):  # its earlier report waits for rivals: this one after it
-                self._hold(msg, None)
+        if self.decisions is not None and self.metric in values:
+            if not self.decisions.report(trial_id, record, msg, answers):  # held for its rivals
                 return
-            if rung is not None and self.pruner.gathers(rung, 0):
-                self._hold(msg, rung)
-                if not self.pruner.gathers(rung, sum(at == rung for _, at in self._held)):  # enough: decide now
-                    self._release(answers)
-                return
-            self._prune(trial_id, record, msg, answers)
         if (ended := self._ended_early.pop(run_id, None)) is not None:
             self._finish(trial_id, "done", ended)
 
-    def _prune(self, trial_id: str, record: dict[str, Any], msg: dict[str, Any],
-               answers: dict[str, tuple[str | None, int, bool, int]]) -> None:
-        """Ask the pruner about one report; answer it where the trial waits, or stop the trial it prunes."""
-        assert self.pruner is not None and self.metric is not None
-        run_id, step = str(msg["run"]), int(msg["step"])
-        fresh = record["state"] == "running" and self._decide(trial_id, step, msg["values"][self.metric])
-        pruned, number = record["state"] == "pruned", msg.get("number")
-        if isinstance(number, int) and (fresh or msg.get("answer")):
-            # the trial waits for it, or must stop; it waits again only where the pruner can decide next
-            answers[run_id] = (msg.get("worker"), number, pruned, self.pruner.next_decision(step))
-        elif fresh:  # a report without a number (an older worker): the stop alone
-            self._send(msg.get("worker"), stopping.stop, "pruned", trial=run_id)
-
-    def _holds(self, run_id: str) -> bool:
-        """Whether a report of this task run waits for its rivals (a few at most, and only for a moment)."""
-        return any(str(msg["run"]) == run_id for msg, _ in self._held)
-
-    def _note_pace(self, trial_id: str, last_step: int | None, step: int, since: Any) -> None:
-        """When the trial reported (here), at which step, and its seconds per step: when it reaches a rung."""
-        if not isinstance(since, (int, float)) or since < 0:
+    def _release(self, answers: Answers) -> None:
+        """Decide the held reports (the pruner's decisions); a trial whose task ended meanwhile is done after."""
+        if self.decisions is None:
             return
-        steps = step - last_step if last_step is not None else max(step, 1)
-        if steps > 0:
-            self._pace[trial_id] = (time.monotonic(), step, since / steps)
-
-    def _hold(self, msg: dict[str, Any], rung: int | None) -> None:
-        """Keep a report that reaches a rung with few trials on it, so that the trials reaching it together are
-        decided together, the best first: for one of its trial's steps, or until the running trials expected
-        at the rung within HOLD_MAX arrive (from their pace); HOLD_MAX after the first held report at most."""
-        now = time.monotonic()
-        trial_id = str(msg["trial"])
-        if not self._held:
-            self._held_since = now
-        self._held.append((msg, rung))
-        since = msg.get("since")
-        deadline = now + (min(HOLD_MAX, since) if isinstance(since, (int, float)) and since >= 0 else HOLD_MAX)
-        if rung is not None:
-            if self.pruner is not None and rung == self.pruner.first_rung and not self._in_flight <= self._runs.keys():
-                deadline = now + HOLD_MAX  # tasks in flight have not reported yet: trials that started with it
-            for rival, (seen, step, pace) in self._pace.items():
-                record = self.trials.get(rival)
-                if rival == trial_id or record is None or record["state"] != "running" or step >= rung:
-                    continue
-                expected = seen + (rung - step) * pace
-                if expected - now <= HOLD_MAX:
-                    deadline = max(deadline, expected + ARRIVAL_SLACK * pace)
-        latest = self._held_since + HOLD_MAX
-        self._release_at = min(latest, deadline if self._release_at is None else max(self._release_at, deadline))
-
-    def _release(self, answers: dict[str, tuple[str | None, int, bool, int]]) -> None:
-        """Decide the held reports: trial by trial, the best value of the metric first, each trial's in order."""
-        held, self._held, self._release_at = self._held, [], None
-        runs: dict[str, list[dict[str, Any]]] = {}
-        for msg, _ in held:
-            runs.setdefault(str(msg["run"]), []).append(msg)
-        sign = 1.0 if self.mode == "min" else -1.0
-        for run_id, msgs in sorted(runs.items(), key=lambda item: sign * item[1][0]["values"][self.metric]):
-            trial_id = str(msgs[0]["trial"])
-            record = self.trials[trial_id]
-            if record["run"] == run_id:  # (else a newer run of the trial reported meanwhile: this one is over)
-                for msg in msgs:
-                    self._prune(trial_id, record, msg, answers)
+        for run_id in self.decisions.release(answers):
+            self._dirty = True
             if (ended := self._ended_early.pop(run_id, None)) is not None:
-                self._finish(trial_id, "done", ended)
+                self._finish(self._runs[run_id], "done", ended)
 
     def _new_run(self, trial_id: str, run_id: str, msg: dict[str, Any],
                  earlier: dict[str, Any] | None) -> dict[str, Any]:
@@ -322,32 +244,9 @@ class TrialMetrics:
             record["state"] = "running"
         self.trials[trial_id] = record
         self._runs[run_id] = trial_id
-        if self.pruner is not None and self.pruner.pruned(trial_id):  # pruned in an earlier job of the epoch
-            record["state"] = "pruned"
-        if record["state"] == "pruned":
-            self._stop(trial_id, record, "the study has it as pruned")
+        if self.decisions is not None:
+            self.decisions.new_run(trial_id, record)
         return record
-
-    def _decide(self, trial_id: str, step: int, value: float) -> bool:
-        """Whether the pruner prunes the trial now (its stop goes with the answer to this report)."""
-        record = self.trials[trial_id]
-        if self.pruner is None or record["state"] != "running" or not self.pruner.decide(trial_id, step, value):
-            return False
-        record["state"] = "pruned"
-        self._dirty = True
-        self._stopped.add(record["run"])
-        logger.info("pruned trial %s (%s, task run %s): %s %g at step %d", trial_id, record.get("task"),
-                    record["run"], self.metric, value, step)
-        return True
-
-    def _stop(self, trial_id: str, record: dict[str, Any], why: str) -> None:
-        """Tell the trial on its worker to stop; each run once."""
-        run_id = record["run"]
-        if run_id in self._stopped:
-            return
-        self._stopped.add(run_id)
-        logger.info("pruned trial %s (%s, task run %s): %s", trial_id, record.get("task"), run_id, why)
-        self._send(record.get("worker"), stopping.stop, "pruned", trial=run_id)
 
     def _end(self, run_id: str, future: Any, when: float) -> None:
         trial_id = self._runs.get(run_id)
@@ -362,17 +261,12 @@ class TrialMetrics:
     def _finish(self, trial_id: str, state: str, when: float) -> None:
         record = self.trials[trial_id]
         record["ended"] = when
-        self._pace.pop(trial_id, None)
         self._dirty = True
         if record["state"] == "pruned":
             return
         record["state"] = state
-        if self.pruner is not None:
-            if state == "interrupted":
-                self.pruner.interrupted(trial_id)
-            else:
-                value = record["last"].get(self.metric) if state == "done" else None
-                self.pruner.finished(trial_id, value)
+        if self.decisions is not None:
+            self.decisions.finished(trial_id, state, record["last"].get(self.metric))
 
     # ---- the files
 

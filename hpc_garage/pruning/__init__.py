@@ -26,20 +26,27 @@ from typing import Any
 
 from hpc_garage.core.errors import UserError
 from hpc_garage.core.sweep import PRUNER_JOURNAL
+from hpc_garage.pruning.rungs import Ladder, Rung
 from hpc_garage.variables import RESULTS_ENV
 
-__all__ = ["MODES", "PRUNERS", "TrialPruner", "check_settings", "journal_path", "make_pruner"]
+__all__ = ["MODES", "PRUNERS", "Rung", "TrialPruner", "check_settings", "journal_path", "make_pruner"]
 
 logger = logging.getLogger(__name__)
 
-# a name -> Optuna's pruner class and the arguments it gets (Optuna's defaults otherwise)
+# a name -> Optuna's pruner class and the arguments it gets (Optuna's defaults otherwise). Every one prunes
+# during a sweep's first wave: the median and percentile pruners compare with every other trial at the step
+# (TrialPruner's peers), and successive halving and Hyperband get their resources up front; Optuna's "auto"
+# has no rung until a first trial finished (a whole first wave runs to the end, and Hyperband then files the
+# late steps of the running trials at its early rungs, where they beat the next wave's best trial).
 PRUNERS: dict[str, tuple[str, dict[str, Any]]] = {
-    "median": ("MedianPruner", {}),
-    "percentile": ("PercentilePruner", {"percentile": 25.0}),
-    # Ray Tune's ASHA defaults (grace period 1 step, reduction factor 4: rungs at steps 1, 4, 16, ...). Optuna's
-    # own min_resource="auto" has no rung until a first trial finished: a whole first wave runs to the end.
+    # Ray Tune's MedianStoppingRule needs 3 other trials; a trial's first 2 steps are never judged
+    "median": ("MedianPruner", {"n_startup_trials": 3, "n_warmup_steps": 2}),
+    "percentile": ("PercentilePruner", {"percentile": 25.0, "n_startup_trials": 3, "n_warmup_steps": 2}),
+    # Ray Tune's ASHA defaults (grace period 1 step, reduction factor 4: rungs at steps 1, 4, 16, ...)
     "asha": ("SuccessiveHalvingPruner", {"min_resource": 1, "reduction_factor": 4}),
-    "hyperband": ("HyperbandPruner", {}),
+    # ASHA's rungs (1, 4, 16, 64) as the brackets' first rungs: 4 brackets; max_resource is the longest trial
+    # Hyperband plans its brackets for, in steps (Ray Tune's HyperBand max_t); a longer trial is decided on
+    "hyperband": ("HyperbandPruner", {"min_resource": 1, "max_resource": 64, "reduction_factor": 4}),
 }
 MODES = ("min", "max")  # "min": lower is better (a loss), the default
 STUDY = "hpc-garage"  # the study's name, in memory and in the epoch's journal
@@ -105,9 +112,10 @@ class TrialPruner:
         self._numbers: dict[str, int] = {}  # trial id -> its number in the live study
         self._steps: dict[str, set[int]] = {}  # trial id -> steps the study has (Optuna warns on a repeated one)
         self._ended: dict[str, str] = {}  # trial id -> "pruned", "complete" or "fail"
-        self._rungs = _rungs(pruner)  # successive halving's (first rung's step, reduction factor), or None
-        self._due: dict[str, int] = {}  # trial id -> the rung its next decision is at (successive halving)
-        self._reached: dict[int, int] = {}  # a rung's step -> how many trials were decided at it
+        self._ladder = _ladder(pruner)  # successive halving's (Hyperband's) rungs, or None: every step
+        self._peers = isinstance(self.pruner, optuna.pruners.PercentilePruner)  # (MedianPruner is one)
+        self._due: dict[str, Rung] = {}  # trial id -> the rung its next decision is at (successive halving)
+        self._reached: dict[Rung, int] = {}  # a rung -> how many trials were decided at it
         self._journal = self._open_journal(journal, direction) if journal is not None else None
 
     # ---- what the driver asks
@@ -124,53 +132,63 @@ class TrialPruner:
         trial = self._note(trial_id, step, value)
         if (due := self.rung_due(trial_id, step)) is not None:
             self._reach(trial_id, due, step)
-        if not trial.should_prune():
+        frozen = self._storage.get_trial(self._trial_storage_id(self._numbers[trial_id]))
+        if not self.pruner.prune(_Peers(self._study, frozen.number) if self._peers else self._study, frozen):
             return False
         with _quiet(self._optuna):
             self._study.tell(trial, state=self._optuna.trial.TrialState.PRUNED)
         self._end(trial_id, "pruned")
         return True
 
-    def next_decision(self, step: int) -> int:
-        """The first step after `step` at which this pruner can stop a trial: a trial waits for the answer to its
+    def next_decision(self, step: int, trial_id: str | None = None) -> int:
+        """The first step after `step` at which this pruner can stop the trial: a trial waits for the answer to its
         report only there (trial.report). Successive halving ("asha") prunes only where a trial reaches a rung
-        (steps 1, 4, 16, ...), so its trials wait three times in 30 steps, not 30; any other pruner may decide
-        at every step."""
-        if self._rungs is None:
+        (steps 1, 4, 16, ...), so its trials wait three times in 30 steps, not 30; Hyperband ("hyperband") at the
+        rungs of the trial's bracket; any other pruner may decide at every step."""
+        if self._ladder is None:
             return step + 1
-        return next(rung for rung in self._rungs_from(self._rungs[0]) if rung > step)
+        return self._ladder.after(self._bracket(trial_id), step).step
 
     @property
-    def first_rung(self) -> int | None:
-        """Successive halving's first rung (a step), or None."""
-        return self._rungs[0] if self._rungs is not None else None
+    def lowest_rung(self) -> Rung | None:
+        """The first rung of the first bracket (where trials that start together first meet), or None."""
+        return self._ladder.first() if self._ladder is not None else None
 
-    def rung_due(self, trial_id: str, step: int) -> int | None:
+    def rung_due(self, trial_id: str, step: int) -> Rung | None:
         """The rung a report at `step` brings the trial to (successive halving decides there), or None."""
-        if self._rungs is None or trial_id in self._ended:
+        if self._ladder is None or trial_id in self._ended:
             return None
-        due = self._due.get(trial_id, self._rungs[0])
-        return due if step >= due else None
+        due = self._due.get(trial_id) or self._ladder.first(self._bracket(trial_id))
+        return due if step >= due.step else None
 
-    def gathers(self, rung: int, waiting: int) -> bool:
+    def bracket_of(self, trial_id: str) -> int | None:
+        """The trial's bracket (0 but with Hyperband), once it reported; None before, or without rungs."""
+        if self._ladder is None or trial_id not in self._numbers:
+            return None
+        return self._bracket(trial_id)
+
+    def gathers(self, rung: Rung, waiting: int) -> bool:
         """Whether a decision at `rung` should wait for rivals: fewer trials than the reduction factor reached it
         yet (counting the `waiting` ones). With so few, successive halving promotes whichever is the best so far,
         so trials started together would be promoted in the order their reports happen to arrive, not on merit."""
-        return self._rungs is not None and self._reached.get(rung, 0) + waiting < self._rungs[1]
+        return self._ladder is not None and self._reached.get(rung, 0) + waiting < self._ladder.factor
 
-    def _rungs_from(self, rung: int) -> Iterator[int]:
-        """Successive halving's rungs from `rung` on: rung, rung x factor, ... (endless)."""
-        assert self._rungs is not None
-        while True:
-            yield rung
-            rung *= self._rungs[1]
+    def _bracket(self, trial_id: str | None) -> int:
+        """The trial's Hyperband bracket, asking the study for its trial (its number) where it has none yet."""
+        assert self._ladder is not None
+        if trial_id is None or len(self._ladder.budgets) == 1:
+            return 0
+        if trial_id not in self._numbers:
+            self._live_trial(trial_id)
+        return self._ladder.bracket(self._numbers[trial_id])
 
-    def _reach(self, trial_id: str, due: int, step: int) -> None:
-        """A report at `step` brought the trial to its rung `due` and every rung up to `step`: count it there,
-        and note the rung its next decision is at."""
-        for rung in itertools.takewhile(lambda rung: rung <= step, self._rungs_from(due)):
+    def _reach(self, trial_id: str, due: Rung, step: int) -> None:
+        """A report at `step` brought the trial to its rung `due` and every rung of its bracket up to `step`:
+        count it there, and note the rung its next decision is at."""
+        assert self._ladder is not None
+        for rung in itertools.takewhile(lambda rung: rung.step <= step, self._ladder.rungs(due)):
             self._reached[rung] = self._reached.get(rung, 0) + 1
-        self._due[trial_id] = self.next_decision(step)
+        self._due[trial_id] = self._ladder.after(due.bracket, step)
 
     def finished(self, trial_id: str, value: float | None) -> None:
         """The trial's task ended: complete with its last value of the metric (None: failed)."""
@@ -193,13 +211,18 @@ class TrialPruner:
 
     # ---- the study
 
-    def _note(self, trial_id: str, step: int, value: float) -> Any:
+    def _live_trial(self, trial_id: str) -> Any:
+        """The trial's Optuna trial, asked for at its first report (its number: its Hyperband bracket)."""
         trial = self._live.get(trial_id)
         if trial is None:
             trial = self._live[trial_id] = self._study.ask()
             trial.set_user_attr(TRIAL_ATTR, trial_id)
             self._numbers[trial_id] = trial.number
             self._steps[trial_id] = set()
+        return trial
+
+    def _note(self, trial_id: str, step: int, value: float) -> Any:
+        trial = self._live_trial(trial_id)
         steps = self._steps[trial_id]
         if step not in steps:  # a trial continued from its checkpoint may report a step again: the first holds
             steps.add(step)
@@ -239,8 +262,8 @@ class TrialPruner:
         for number, (trial_id, frozen) in enumerate(latest.items()):
             self._study.add_trial(frozen)
             self._numbers[trial_id] = number
-            if self._rungs is not None and frozen.intermediate_values:  # the rungs its reports reached
-                self._reach(trial_id, self._rungs[0], max(frozen.intermediate_values))
+            if self._ladder is not None and frozen.intermediate_values:  # the rungs its reports reached
+                self._reach(trial_id, self._ladder.first(self._bracket(trial_id)), max(frozen.intermediate_values))
             if frozen.state == states.RUNNING:  # interrupted: its reports continue its Optuna trial
                 self._live[trial_id] = self._optuna.trial.Trial(self._study, self._trial_storage_id(number))
                 self._steps[trial_id] = set(frozen.intermediate_values)
@@ -255,16 +278,38 @@ class TrialPruner:
         return int(self._storage.get_trial_id_from_study_id_trial_number(self._study_id, number))
 
 
-def _rungs(pruner: Any) -> tuple[int, int] | None:
-    """(first rung's step, reduction factor) of a named successive-halving pruner, from the arguments hpc-garage
-    gives it (Optuna's own attributes are private); None for any other pruner, or an instance: every step."""
-    if not isinstance(pruner, str) or PRUNERS[pruner][0] != "SuccessiveHalvingPruner":
+def _ladder(pruner: Any) -> Ladder | None:
+    """The rungs of a named successive-halving or Hyperband pruner, from the arguments hpc-garage gives it
+    (Optuna's own attributes are private); None for any other pruner, or an instance: every step."""
+    if not isinstance(pruner, str) or PRUNERS[pruner][0] not in ("SuccessiveHalvingPruner", "HyperbandPruner"):
         return None
-    kwargs = PRUNERS[pruner][1]
-    first, factor = kwargs.get("min_resource"), int(kwargs.get("reduction_factor", 4))
+    kind, kwargs = PRUNERS[pruner]
+    first, factor = kwargs.get("min_resource"), int(kwargs.get("reduction_factor", 4 if kind[0] == "S" else 3))
     if not isinstance(first, int) or first < 1 or factor < 2:  # "auto": no rung until a trial completed
         return None
-    return first * factor ** int(kwargs.get("min_early_stopping_rate", 0)), factor
+    if kind == "HyperbandPruner":
+        most = kwargs.get("max_resource")
+        return Ladder.hyperband(first, most, factor, STUDY) if isinstance(most, int) and most >= first else None
+    return Ladder(first, factor, int(kwargs.get("min_early_stopping_rate", 0)))
+
+
+class _Peers:
+    """The study as a percentile (median) pruner sees it here: every other trial that reported, running, pruned
+    or finished, stands where Optuna puts only the finished ones. Trials that start together are compared with
+    each other from their first steps (Ray Tune's median stopping rule), so such a pruner prunes during a
+    sweep's first wave; a trial best at every step is never above a percentile of the others."""
+
+    PEER_STATES = ("COMPLETE", "RUNNING", "PRUNED")
+
+    def __init__(self, study: Any, number: int) -> None:
+        self._study, self._number = study, number
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._study, name)
+
+    def get_trials(self, deepcopy: bool = True, states: Any = None) -> list[Any]:
+        return [t for t in self._study.get_trials(deepcopy=deepcopy)
+                if t.number != self._number and t.state.name in self.PEER_STATES and t.intermediate_values]
 
 
 def _optuna(where: str) -> Any:
