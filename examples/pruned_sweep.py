@@ -36,7 +36,7 @@ import hpc_garage  # noqa: E402
 from hpc_garage import trial  # noqa: E402
 from hpc_garage.prefect.task_runner import worker_resources  # noqa: E402
 
-PRUNERS = ("none", "median", "asha", "hyperband")
+PRUNERS = ("none", "median", "percentile", "asha", "hyperband")
 
 
 def sweep_params(trials: int, seed: int = 0) -> list[dict[str, float]]:
@@ -66,7 +66,7 @@ def best_of(losses: dict[int, float]) -> int:
 
 def make_pruner(name: str) -> str | None:
     """None, or the pruner's name for `task_runner(pruner=...)`: "asha" is Optuna's successive halving with Ray
-    Tune's ASHA defaults (rungs at steps 1, 4, 16), "median" and "hyperband" Optuna's defaults."""
+    Tune's ASHA defaults (rungs at steps 1, 4, 16); the others as hpc_garage.pruning.PRUNERS gives them."""
     return None if name == "none" else name
 
 

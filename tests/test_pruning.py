@@ -217,3 +217,77 @@ def test_optunas_info_lines_stay_out_of_the_flows_log_and_the_users_own_study_ke
             assert any("A new study created" in r.getMessage() for r in caplog.records)
     finally:
         optuna.logging.disable_propagation()
+
+
+# ------------------------------------------------------------------ issue 31: every named pruner, first wave
+
+
+def test_the_hyperband_ladder_puts_each_trial_in_optunas_bracket() -> None:
+    """pruning/rungs.py computes Hyperband's brackets from the arguments hpc-garage gives it; Optuna's own choice
+    (a private method, read here only) must agree, or a trial would wait for answers at the wrong steps."""
+    from hpc_garage.pruning.rungs import Ladder, Rung
+
+    kwargs = pruning.PRUNERS["hyperband"][1]
+    ladder = Ladder.hyperband(kwargs["min_resource"], kwargs["max_resource"], kwargs["reduction_factor"],
+                              pruning.STUDY)
+    p = TrialPruner("hyperband", "min")
+    for i in range(64):  # every trial reports step 0: asked, numbered 0..63
+        p.decide(str(i), 0, 1.0)
+    study, pruner = p._study, p.pruner
+    frozen = study.get_trials(deepcopy=False)
+    assert [ladder.bracket(t.number) for t in frozen] == [pruner._get_bracket_id(study, t) for t in frozen]
+    assert len(set(ladder.bracket(n) for n in range(64))) == len(ladder.budgets) == 4  # rungs 1, 4, 16, 64 first
+    assert [ladder.first(b) for b in range(4)] == [Rung(0, 1), Rung(1, 4), Rung(2, 16), Rung(3, 64)]
+    assert [p.next_decision(5, str(i)) for i in range(64)] == [ladder.after(ladder.bracket(i), 5).step
+                                                               for i in range(64)]
+
+
+def simulate(pruner: Any, lag: int, trials: int = 16, workers: int = 4) -> tuple[int, set[int], int, list[float]]:
+    """The issue-31 sweep (examples/pruned_sweep.py, 16 trials of 30 steps, 4 GPU workers) step by step in
+    TrialPruner alone: each round the running trials report (some lag at random), the ones reaching a step
+    together decided the best first, as prefect/decisions.py holds them. Steps used, the finished trials,
+    how many were pruned before any finished, and the curves."""
+    from examples import pruned_sweep
+
+    curves = [pruned_sweep.learning_curve(p["lr"], p["dropout"], 30) for p in pruned_sweep.sweep_params(trials)]
+    p, rng = TrialPruner(pruner, "min"), random.Random(lag)
+    waiting, running, used, finished, early = list(range(trials)), {}, 0, set(), 0
+    while waiting or running:
+        while waiting and len(running) < workers:
+            running[waiting.pop(0)] = 0
+        reports = sorted((curves[i][step], i, step) for i, step in running.items() if rng.random() >= 0.2)
+        for value, i, step in reports:
+            used += 1
+            if p.decide(str(i), step + 1, value):
+                early += not finished
+                del running[i]
+            elif step == 29:
+                p.finished(str(i), value)
+                finished.add(i)
+                del running[i]
+            else:
+                running[i] = step + 1
+    return used, finished, early, [c[-1] for c in curves]
+
+
+@pytest.mark.parametrize("pruner", ["median", "percentile", "asha", "hyperband"])
+def test_every_named_pruner_prunes_in_the_first_wave_keeps_the_best_and_saves_40_percent(pruner: str) -> None:
+    for lag in range(5):
+        used, finished, early, finals = simulate(pruner, lag)
+        best = min(range(len(finals)), key=finals.__getitem__)
+        assert best in finished and early > 0 and used <= 0.6 * 16 * 30, (lag, used, sorted(finished), early)
+
+
+@pytest.mark.parametrize("pruner", [optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=2),
+                                    optuna.pruners.PercentilePruner(25.0, n_startup_trials=3, n_warmup_steps=2)])
+def test_a_median_or_percentile_instance_compares_with_the_running_trials_as_its_named_twin(pruner: Any) -> None:
+    """Optuna compares with finished trials only: before a first trial finished (a sweep's first wave) nothing
+    would prune. Here the running and pruned trials that reported the step count too, for an instance as for
+    the name."""
+    used, finished, early, finals = simulate(pruner, 0)
+    assert early > 0 and min(range(len(finals)), key=finals.__getitem__) in finished
+    p = TrialPruner(pruner, "min")
+    for step in range(4):
+        for trial, floor in (("a", 0.1), ("b", 0.2), ("c", 0.3)):
+            assert not p.decide(trial, step, curve(floor, step))
+    assert [p.decide("poor", step, curve(2.0, step)) for step in range(4)] == [False, False, True, True]

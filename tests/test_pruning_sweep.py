@@ -139,6 +139,60 @@ def test_asha_on_the_curves_keeps_the_best_trial_within_60_percent_of_the_steps(
         assert min(finished, key=lambda i: curves[i][-1]) == min(range(TRIALS), key=lambda i: curves[i][-1])
 
 
+# ------------------------------------------------------------ every named pruner, on a local Dask cluster
+
+WAVE_TRIALS, WAVE_WORKERS, WAVE_STEP_SECONDS = 16, 4, 0.1
+
+
+@pytest.fixture(scope="module")
+def four_gpus(api: dict[str, str]) -> Any:
+    """Four workers with one GPU each (one thread): the issue-31 sweep's 4 GPU workers."""
+    from distributed import Nanny, Scheduler, SpecCluster
+
+    scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard_address": ":0"}}
+    workers = {f"gpu{i}": {"cls": Nanny, "options": {"nthreads": 1, "resources": {"GPU": 1}}}
+               for i in range(WAVE_WORKERS)}
+    with SpecCluster(workers=workers, scheduler=scheduler) as c:
+        yield c
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pruner", ["median", "percentile", "asha", "hyperband"])
+def test_every_named_pruner_prunes_in_the_first_wave_and_never_the_best_trial(
+        pruner: str, four_gpus: Any, tmp_path: Path) -> None:
+    """Issue 31: examples/pruned_sweep.py, 16 trials of 30 steps on 4 GPU workers, whose best trial is the best at
+    every step. Each named pruner stops a trial before any trial ran to the end (the first wave), uses at most
+    0.6x the steps of the unpruned sweep (16 x 30: every trial to the end) and keeps its best trial (the best of
+    the full curves, which the unpruned sweep finds: the SLURM test above checks that)."""
+    import cloudpickle
+
+    import hpc_garage
+
+    sweep = curves_module()
+    curves = [sweep.learning_curve(p["lr"], p["dropout"], STEPS) for p in sweep.sweep_params(WAVE_TRIALS)]
+    best = min(range(WAVE_TRIALS), key=lambda i: curves[i][-1])
+    assert all(curves[best][s] == min(c[s] for c in curves) for s in range(STEPS))  # the curves never cross it
+    cloudpickle.register_pickle_by_value(sweep)  # worker processes need not import examples/
+    out = tmp_path / "out.json"
+    runner = hpc_garage.task_runner(address=four_gpus.scheduler_address, pruner=pruner, metric="loss")
+    began = time.monotonic()
+    sweep.pruned_sweep.with_options(task_runner=runner)(
+        trials=WAVE_TRIALS, steps=STEPS, step_seconds=WAVE_STEP_SECONDS, gpu="yes", pruner=pruner, out=str(out))
+    summary = json.loads(out.read_text())
+    records = summary["records"]
+    used = sum(r["steps"] for r in records)
+    first_end = min(r["end"] for r in records if not r["pruned"])
+    early = [r["trial"] for r in records if r["pruned"] and r["end"] < first_end]
+    print(f"{pruner}: {summary['pruned']} pruned, {used} steps of {WAVE_TRIALS * STEPS} "
+          f"({used / (WAVE_TRIALS * STEPS):.2f}), {len(early)} pruned before a first trial ended; "
+          f"{time.monotonic() - began:.1f} s")
+    assert early, f"{pruner} pruned nothing before a first trial ran to the end: {records}"
+    assert used <= 0.6 * WAVE_TRIALS * STEPS, (pruner, used)
+    [kept] = [r for r in records if r["trial"] == best]
+    assert not kept["pruned"] and kept["steps"] == STEPS, kept
+    assert summary["best"]["trial"] == summary["expected_best"]["trial"] == best, summary["best"]
+
+
 # -------------------------------------------------------------------------------------- on the local SLURM
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from hpc_garage.cluster import stopping
@@ -52,6 +53,18 @@ class PrunerDecisions:
         self._held_since = 0.0  # clock time the first of them was held
         self._in_flight: set[str] = set()  # task run ids submitted and not ended
         self._pace: dict[str, tuple[float, int, float]] = {}  # trial id -> (its last report here, its step, s/step)
+
+    @classmethod
+    def open(cls, setting: Any, metric: str, mode: str, journal: Path | None, trials: dict[str, dict[str, Any]],
+             runs: dict[str, str], send: Send) -> PrunerDecisions:
+        """The pruner named by task_runner(pruner=...), its study in the epoch's journal where there is one."""
+        try:
+            pruner = TrialPruner(setting, mode, journal)
+        except OSError as exc:  # the journal's directory or file: decide in memory rather than not at all
+            logger.warning("the pruner's journal %s cannot be used (%s); its study is kept in memory only",
+                           journal, exc)
+            pruner = TrialPruner(setting, mode, None)
+        return cls(pruner, metric, mode, trials, runs, send)
 
     def submitted(self, run_id: str) -> None:
         self._in_flight.add(run_id)

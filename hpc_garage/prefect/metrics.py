@@ -88,14 +88,10 @@ class TrialMetrics:
     def start(self, client: Any) -> None:
         """Open the study (the epoch's journal where there is one), subscribe, start the drain thread."""
         if self._pruner_setting is not None:
-            try:
-                self.pruner = TrialPruner(self._pruner_setting, self.mode, self._journal)
-            except OSError as exc:  # the journal's directory or file: decide in memory rather than not at all
-                logger.warning("the pruner's journal %s cannot be used (%s); its study is kept in memory only",
-                               self._journal, exc)
-                self.pruner = TrialPruner(self._pruner_setting, self.mode, None)
             assert self.metric is not None  # (check_settings: a pruner needs one)
-            self.decisions = PrunerDecisions(self.pruner, self.metric, self.mode, self.trials, self._runs, self._send)
+            self.decisions = PrunerDecisions.open(self._pruner_setting, self.metric, self.mode, self._journal,
+                                                  self.trials, self._runs, self._send)
+            self.pruner = self.decisions.pruner
         if self.run_dir is not None:
             self.run_dir.metrics_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._client = client
