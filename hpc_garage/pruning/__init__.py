@@ -113,7 +113,9 @@ class TrialPruner:
         self._steps: dict[str, set[int]] = {}  # trial id -> steps the study has (Optuna warns on a repeated one)
         self._ended: dict[str, str] = {}  # trial id -> "pruned", "complete" or "fail"
         self._ladder = _ladder(pruner)  # successive halving's (Hyperband's) rungs, or None: every step
-        self._peers = isinstance(self.pruner, optuna.pruners.PercentilePruner)  # (MedianPruner is one)
+        # a named median or percentile pruner compares with the running trials too (_Peers); an object, as Optuna
+        # documents it, with the finished ones only
+        self._peers = isinstance(pruner, str) and isinstance(self.pruner, optuna.pruners.PercentilePruner)
         self._due: dict[str, Rung] = {}  # trial id -> the rung its next decision is at (successive halving)
         self._reached: dict[Rung, int] = {}  # a rung -> how many trials were decided at it
         self._journal = self._open_journal(journal, direction) if journal is not None else None
