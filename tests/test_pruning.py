@@ -293,3 +293,26 @@ def test_a_named_median_or_percentile_compares_with_the_running_trials_and_an_ob
                 assert not p.decide(trial, step, curve(floor, step)) or (name == "percentile" and trial != "a")
         assert [p.decide("poor", step, curve(2.0, step)) for step in range(4)] == [False, False, prunes, prunes]
     assert simulate(twin, 0)[2] == 0  # the object: nothing pruned before a first trial finished
+
+
+def test_a_trial_ahead_of_its_rivals_is_judged_where_they_catch_up_with_it() -> None:
+    """A named median pruner compares a trial with the others at its own step: one that started first (a busy
+    node, a slow start of the others) is compared with no one. When a rival reaches a step the leader reported,
+    the leader is judged as it stood there; the best trial at every step never is pruned this way."""
+    p = TrialPruner("median", "min")
+    for step in range(10):  # "poor" runs ahead of all: nothing to compare with
+        assert not p.decide("poor", step, curve(2.0, step))
+    assert p.overtaken(0) == []
+    for step in range(3):
+        for trial, floor in (("a", 0.1), ("b", 0.2), ("c", 0.3)):
+            p.decide(trial, step, curve(floor, step))
+        assert p.overtaken(step) == (["poor"] if step == 2 else []), step  # past the 2 warm-up steps
+    assert p.pruned("poor") and not p.pruned("a") and p.overtaken(2) == []
+    q = TrialPruner("median", "min")
+    for step in range(10):  # the best runs ahead: never judged worse than the rivals that catch up
+        q.decide("best", step, curve(0.01, step))
+    for step in range(10):
+        for trial, floor in (("a", 0.1), ("b", 0.2), ("c", 0.3)):
+            q.decide(trial, step, curve(floor, step))
+        assert "best" not in q.overtaken(step)
+    assert TrialPruner(optuna.pruners.MedianPruner(), "min").overtaken(3) == []  # an object: as Optuna does

@@ -161,6 +161,11 @@ class PrunerDecisions:
             answers[run_id] = (msg.get("worker"), number, pruned, self.pruner.next_decision(step, trial_id))
         elif fresh:  # a report without a number (an older worker): the stop alone
             self._send(msg.get("worker"), stopping.stop, "pruned", trial=run_id)
+        for other in self.pruner.overtaken(step):  # (a named median or percentile pruner)
+            ahead = self._trials.get(other)
+            if ahead is not None and ahead["state"] == "running":
+                ahead["state"] = "pruned"
+                self.stop(other, ahead, f"{self.metric} at step {step} worse than its rivals' there")
 
     def _decide(self, trial_id: str, step: int, value: float) -> bool:
         """Whether the pruner prunes the trial now (its stop goes with the answer to this report)."""

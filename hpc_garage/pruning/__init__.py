@@ -15,6 +15,7 @@ interrupted trial continues its Optuna trial (its reports so far, ASHA's rungs).
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import math
@@ -141,6 +142,26 @@ class TrialPruner:
             self._study.tell(trial, state=self._optuna.trial.TrialState.PRUNED)
         self._end(trial_id, "pruned")
         return True
+
+    def overtaken(self, step: int) -> list[str]:
+        """A named median or percentile pruner: the running trials that reported `step` before their rivals did
+        (a trial that started early or runs fast) judged again as they stood there, now that a rival reached it;
+        the ones pruned. A trial ahead of every other is compared with no one at its own steps: without this it
+        would never be pruned in a sweep's first wave."""
+        if not self._peers:
+            return []
+        pruned = []
+        for trial_id, steps in list(self._steps.items()):
+            if trial_id in self._ended or step not in steps or max(steps) <= step:
+                continue
+            frozen = copy.copy(self._storage.get_trial(self._trial_storage_id(self._numbers[trial_id])))
+            frozen.intermediate_values = {s: v for s, v in frozen.intermediate_values.items() if s <= step}
+            if self.pruner.prune(_Peers(self._study, frozen.number), frozen):
+                with _quiet(self._optuna):
+                    self._study.tell(self._live[trial_id], state=self._optuna.trial.TrialState.PRUNED)
+                self._end(trial_id, "pruned")
+                pruned.append(trial_id)
+        return pruned
 
     def next_decision(self, step: int, trial_id: str | None = None) -> int:
         """The first step after `step` at which this pruner can stop the trial: a trial waits for the answer to its
