@@ -80,7 +80,7 @@ def check_settings(pruner: Any, metric: Any, mode: Any) -> None:
 
 
 def make_pruner(pruner: Any) -> Any:
-    """Optuna's pruner for a name (Optuna's defaults), or the instance given."""
+    """Optuna's pruner for a name (with the arguments PRUNERS gives it), or the instance given."""
     if not isinstance(pruner, str):
         return pruner
     optuna = _optuna(f"task_runner(pruner={pruner!r})")
@@ -113,6 +113,7 @@ class TrialPruner:
         self._numbers: dict[str, int] = {}  # trial id -> its number in the live study
         self._steps: dict[str, set[int]] = {}  # trial id -> steps the study has (Optuna warns on a repeated one)
         self._ended: dict[str, str] = {}  # trial id -> "pruned", "complete" or "fail"
+        self._last: dict[str, int] = {}  # trial id -> its latest step, while it runs (a named median's leaders)
         self._ladder = _ladder(pruner)  # successive halving's (Hyperband's) rungs, or None: every step
         # a named median or percentile pruner compares with the running trials too (_Peers); an object, as Optuna
         # documents it, with the finished ones only
@@ -151,8 +152,8 @@ class TrialPruner:
         if not self._peers:
             return []
         pruned = []
-        for trial_id, steps in list(self._steps.items()):
-            if trial_id in self._ended or step not in steps or max(steps) <= step:
+        for trial_id, last in list(self._last.items()):
+            if last <= step or trial_id in self._ended or step not in self._steps.get(trial_id, ()):
                 continue
             frozen = copy.copy(self._storage.get_trial(self._trial_storage_id(self._numbers[trial_id])))
             frozen.intermediate_values = {s: v for s, v in frozen.intermediate_values.items() if s <= step}
@@ -250,12 +251,15 @@ class TrialPruner:
         if step not in steps:  # a trial continued from its checkpoint may report a step again: the first holds
             steps.add(step)
             trial.report(value, step)
+            if self._peers:
+                self._last[trial_id] = max(step, self._last.get(trial_id, step))
         return trial
 
     def _end(self, trial_id: str, state: str) -> None:
         self._ended[trial_id] = state
         self._persist(trial_id)
         self._steps.pop(trial_id, None)
+        self._last.pop(trial_id, None)
 
     def _persist(self, trial_id: str) -> None:
         """Write the trial as it stands to the epoch's journal (the latest record of a trial id wins)."""
