@@ -84,3 +84,17 @@ def test_hyperband_waits_for_a_rival_of_the_same_bracket_only() -> None:
         trials[name]["state"] = "done" if name in zero else "running"
     report(decisions, trials, zero[1], 1, 2.0, since=0.01)
     assert decisions.release_at == pytest.approx(clock.now + 0.01)  # its own step alone: no rival of its bracket
+
+
+def test_a_named_median_stops_a_trial_that_ran_ahead_once_its_rivals_catch_up() -> None:
+    """The leader was compared with no one at its steps; when the rivals reach a step it reported, it is judged
+    as it stood there, and its worker told to stop it."""
+    decisions, trials, sent, _ = setup("median")
+    for step in range(6):
+        assert report(decisions, trials, "poor", step, 2.0 + 1.0 / (step + 1)) == {"run-poor": ("w", step, False,
+                                                                                                   step + 1)}
+    for step in range(3):
+        for trial, floor in (("a", 0.1), ("b", 0.2), ("c", 0.3)):
+            report(decisions, trials, trial, step, floor + 1.0 / (step + 1))
+    assert trials["poor"]["state"] == "pruned" and ("stop", "pruned") in [s[:2] for s in sent]
+    assert trials["a"]["state"] == trials["b"]["state"] == "running"  # (c: worse than the median of a, b, poor)
