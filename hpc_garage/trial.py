@@ -67,7 +67,7 @@ LOCAL_DIR = ".hpc-garage-checkpoints"  # outside hpc-garage: under the current d
 # next) and where the trial's steps are slower than WAIT_ABOVE: a trial reporting faster loses less to one more
 # step than to a round trip per report.
 WAIT_ABOVE = 0.02  # s since the trial's previous report (or since it started)
-ANSWER_TIMEOUT = 3.0  # s: a report held for its rivals at a rung waits up to 1 s (prefect/metrics.py's HOLD_MAX)
+ANSWER_TIMEOUT = 3.0  # s: a report held for its rivals at a rung waits up to 1 s (prefect/decisions.py's HOLD_MAX)
 EVENT_REPORTS = 1000  # reports in one event at most: {"reports": [{"trial", "run", "task", "step", ...}, ...]}
 
 

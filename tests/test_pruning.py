@@ -1,4 +1,4 @@
-"""The Optuna adapter (hpc_garage/pruning.py) without a cluster: pruner names, the one-line refusals of a bad
+"""The Optuna adapter (hpc_garage/pruning/) without a cluster: pruner names, the one-line refusals of a bad
 pruner, metric or mode, decisions on scripted learning curves, the epoch's journal read back by a later job,
 and a trial the study has as pruned pruned again at once."""
 

@@ -26,7 +26,7 @@ SOURCES_DIR = ".sources"
 SOURCE_CHANGES = ".source-changes.jsonl"
 CHECKPOINTS_DIR = ".checkpoints"  # one directory per trial (its result key): hpc_garage.trial.checkpoint_dir()
 TRIALS_DIR = ".trials"  # one record per interrupted trial (its result key): cluster/wind_down.py writes it
-PRUNER_JOURNAL = ".pruner.journal"  # the pruner's Optuna study (JournalStorage): hpc_garage/pruning.py
+PRUNER_JOURNAL = ".pruner.journal"  # the pruner's Optuna study (JournalStorage): hpc_garage/pruning/
 
 
 @dataclass(frozen=True)
