@@ -41,29 +41,35 @@ RESTART_SECONDS = 30.0  # after Prefect's worker gave up on an API that stopped 
 
 
 def serve(pool: str, *, site: str | None = None, name: str | None = None, limit: int | None = None,
-          run_once: bool = False, host: str = "127.0.0.1", printer: Callable[[str], None] = print) -> None:
+          run_once: bool = False, host: str = "127.0.0.1", printer: Callable[[str], None] = print) -> int:
     """`hpc-garage worker`: Prefect's worker loop on the API `ensure_api` gives (the user's, else hpc-garage's
-    server, started if need be). Prefect's worker exits when its API has not answered for minutes (its loops'
-    error threshold); this one starts again on the API as it is then (a managed server that was restarted
-    listens elsewhere), and the new worker follows the jobs the old one submitted."""
+    server, started if need be); its exit code. Prefect's worker exits when its API has not answered for
+    minutes (its loops' error threshold); this one starts again on the API as it is then (a managed server
+    that was restarted listens elsewhere), and the new worker follows the jobs the old one submitted.
+    SIGINT and SIGTERM stop it within seconds, its jobs left running (prefect/pool_signals.py)."""
     import asyncio
 
+    from hpc_garage.prefect import pool_signals
+    from hpc_garage.prefect.flow_api import use_api
     from hpc_garage.prefect.server import ensure_api
-    from hpc_garage.prefect.task_runner import use_api
 
-    template = base_job_template(site) if site else None
-    while True:
-        use_api(ensure_api(host=host))  # the environment, and Prefect's settings (read at import)
-        worker = HpcGarageWorker(work_pool_name=pool, name=name, limit=limit, base_job_template=template)
-        try:
-            asyncio.run(worker.start(run_once=run_once, printer=printer))
-            return
-        except Exception as exc:  # noqa: BLE001 - only the API's absence is waited out; the rest is raised
-            if run_once or "exceeded error threshold" not in _messages(exc):
-                raise
-        printer(f"hpc-garage worker: the Prefect API stopped answering; starting again in {RESTART_SECONDS:g} s "
-                "(its jobs go on, and are followed again then)")
-        time.sleep(RESTART_SECONDS)
+    pool_signals.stop_on_signals()
+    try:
+        template = base_job_template(site) if site else None
+        while True:
+            use_api(ensure_api(host=host))  # the environment, and Prefect's settings (read at import)
+            worker = HpcGarageWorker(work_pool_name=pool, name=name, limit=limit, base_job_template=template)
+            try:
+                signum = asyncio.run(pool_signals.until_signalled(worker.start(run_once=run_once, printer=printer)))
+                return 0 if signum is None else pool_signals.Stopped(signum).exit_code
+            except Exception as exc:  # noqa: BLE001 - only the API's absence is waited out; the rest is raised
+                if run_once or "exceeded error threshold" not in _messages(exc):
+                    raise
+            printer(f"hpc-garage worker: the Prefect API stopped answering; starting again in {RESTART_SECONDS:g} s "
+                    "(its jobs go on, and are followed again then)")
+            time.sleep(RESTART_SECONDS)
+    except pool_signals.Stopped as stopped:
+        return stopped.exit_code
 
 
 def _messages(exc: BaseException) -> str:

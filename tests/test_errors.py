@@ -246,3 +246,49 @@ def test_run_hands_command_its_own_scheduler_file_not_one_from_the_environment(t
     assert done.returncode == 0, done.stderr
     path, job_id = done.stdout.split()[-2:]
     assert path != str(foreign) and path.endswith("scheduler.json") and job_id.startswith("local-")
+
+
+# ---- a flow handed a stale scheduler file (the job that wrote it has ended): one line, exit 2, however started
+
+ROOT = Path(__file__).resolve().parent.parent
+SWEEP = ROOT / "examples" / "sweep.py"  # `@flow(task_runner=hpc_garage.task_runner())`, as users write it
+
+
+def _stale_scheduler_file(tmp_path: Path) -> Path:
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return _scheduler_file(tmp_path / "scheduler.json", host=os.uname().nodename, pid=int(dead.stdout))
+
+
+def _stale_line(stderr: str, path: Path) -> None:
+    assert "Traceback" not in stderr, stderr[-3000:]
+    ours = [line for line in stderr.splitlines() if line.startswith("hpc-garage: error:")]
+    assert ours == [f"hpc-garage: error: scheduler file {path} is stale: the `hpc-garage run` that wrote it "
+                    f"(pid {json.loads(path.read_text())['hpc_garage']['pid']}) has ended; rerun the job, or delete "
+                    "the file"], stderr[-3000:]
+
+
+def test_python_sweep_py_with_a_stale_scheduler_file_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    """The refusal comes as the flow is decorated, at the top of the user's script: no traceback."""
+    stale = _stale_scheduler_file(tmp_path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HPC_GARAGE_", "SLURM_", "PBS_"))}
+    env |= {"HOME": str(tmp_path), "HPC_GARAGE_SCHEDULER_FILE": str(stale)}
+    done = subprocess.run([sys.executable, str(SWEEP), "--seeds", "1"], env=env, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-3000:]
+    _stale_line(done.stderr, stale)
+    assert done.stderr.splitlines() == [f"hpc-garage: error: {done.stderr.split('error: ', 1)[1].strip()}"]
+    assert not (tmp_path / ".hpc-garage").exists()  # nothing started: no Prefect server, no run directory
+
+
+@pytest.mark.slow
+def test_a_flow_under_run_handed_a_stale_scheduler_file_ends_in_one_line_and_run_exits_2(tmp_path: Path) -> None:
+    """COMMAND's one line among `run`'s own; `run` exits with COMMAND's 2. (`run` hands COMMAND its own file:
+    here COMMAND is pointed at the stale one, as a wrapper script of the user's might.)"""
+    stale = _stale_scheduler_file(tmp_path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HPC_GARAGE_", "SLURM_", "PBS_"))}
+    env |= {"HOME": str(tmp_path)}
+    command = ["env", "-u", "HPC_GARAGE_JOB_ID", f"HPC_GARAGE_SCHEDULER_FILE={stale}", sys.executable, str(SWEEP)]
+    done = subprocess.run([sys.executable, "-m", "hpc_garage", "run", "--", *command], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    _stale_line(done.stderr, stale)

@@ -7,7 +7,9 @@ Prefect server, `hpc-garage worker`, a path-based deployment of examples/sweep.p
 from __future__ import annotations
 
 import json
+import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -402,6 +404,105 @@ def test_a_job_of_a_flow_run_that_has_ended_runs_nothing(garage: Garage) -> None
     assert done.returncode == 0 and "is COMPLETED already: nothing to run" in done.stderr, done.stdout + done.stderr
     run = garage.flow_run(flow_run_id)
     assert run["state_type"] == "COMPLETED" and run["state"]["message"] == "done elsewhere"
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_a_deployments_job_handed_a_stale_scheduler_file_fails_its_flow_run_in_one_line_and_exits_2(
+        garage: Garage, tmp_path: Path) -> None:
+    """The job's COMMAND, Prefect's engine for the flow run, meets task_runner()'s refusal as it loads the flow:
+    one line in the job's log (the engine's two tracebacks are not shown), exit 2, the flow run Failed with the
+    line. (A flow run scheduled for 2099: the pool's worker leaves it alone.)"""
+    dead = subprocess.run([PY, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / "scheduler.json"
+    stale.write_text(json.dumps({"type": "Scheduler", "address": "tls://127.0.0.1:1", "hpc_garage": {
+        "job_id": "123", "tls": None, "workers": [], "host": os.uname().nodename, "pid": int(dead.stdout)}}))
+    deployment = garage.call("GET", "/deployments/name/sweep/gpu")
+    flow_run_id = garage.call("POST", f"/deployments/{deployment['id']}/create_flow_run", {"state": {
+        "type": "SCHEDULED", "state_details": {"scheduled_time": "2099-01-01T00:00:00Z"}}})["id"]
+    done = subprocess.run([PY, "-m", "hpc_garage.prefect.flow_run", flow_run_id], cwd=ROOT / "examples",
+                          env=garage.env | {"HPC_GARAGE_SCHEDULER_FILE": str(stale)}, capture_output=True, text=True,
+                          timeout=180)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "Traceback" not in done.stdout + done.stderr, done.stdout + done.stderr
+    ours = [line for line in done.stderr.splitlines() if line.startswith("hpc-garage: error:")]
+    assert len(ours) == 1 and f"scheduler file {stale} is stale" in ours[0], done.stderr
+    run = garage.flow_run(flow_run_id)
+    assert run["state_type"] == "FAILED" and run["state"]["message"] == ours[0].replace("error: ", "", 1)
+
+
+WORKER = ["-m", "hpc_garage", "worker", "--pool", POOL, "--site", "lab-gpu"]
+SIGINT_BIT = 1 << (signal.SIGINT - 1)  # in /proc/PID/status's SigIgn mask
+
+
+def _ignores_sigint(status: str) -> bool:
+    return bool(int(re.search(r"^SigIgn:\s*([0-9a-f]+)", status, re.M).group(1), 16) & SIGINT_BIT)
+
+
+def _start_worker(garage: Garage, how: str, log: Path) -> tuple[subprocess.Popen[str], int]:
+    """A worker, started as scripts/test starts its shards (`&` in a non-interactive bash: SIGINT ignored) or by
+    plain Popen with SIGINT at Python's default; what to wait on, and the worker's pid."""
+    if how == "bash &":
+        line = f"{shlex.join([PY, *WORKER])} >>{shlex.quote(str(log))} 2>&1 & echo $!; wait $!"
+        shell = subprocess.Popen(["bash", "-c", line], env=garage.env, cwd=garage.home, stdout=subprocess.PIPE,
+                                 text=True, start_new_session=True)
+        assert shell.stdout is not None
+        return shell, int(shell.stdout.readline())
+    default_sigint = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                      "os.execv(sys.argv[1], sys.argv[1:])")
+    with log.open("a") as out:
+        worker = subprocess.Popen([PY, "-c", default_sigint, PY, *WORKER], env=garage.env, cwd=garage.home,
+                                  stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return worker, worker.pid
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_a_worker_ends_within_10_s_of_sigint_or_sigterm_however_started_and_its_job_goes_on(garage: Garage,
+                                                                                          tmp_path: Path) -> None:
+    """Issue 31: started with `&` from a script a process has SIGINT ignored, and the worker ran on for minutes
+    after one. Started either way and following a job, each signal ends it within 10 s; the job goes on, and
+    the next worker follows it (a scancel then crashes the flow run naming the job: only a follower says so)."""
+    probe = subprocess.run(["bash", "-c", "cat /proc/self/status & wait"], capture_output=True, text=True)
+    assert _ignores_sigint(probe.stdout)  # what `&` in a script does, which the worker has to overcome
+    flow_run_id = garage.run({"seeds": 1, "lrs": [0.1], "duration": 900, "out": "/dev/null"},
+                             {"nodes": 1, "gpus_per_node": 1})
+    job = garage.wait(flow_run_id, lambda r: r["infrastructure_pid"], 120, "a job")["infrastructure_pid"]
+    assert garage.worker is not None
+    garage.worker.send_signal(signal.SIGTERM)  # the fixture's worker, which submitted the job
+    assert garage.worker.wait(10) == 128 + signal.SIGTERM
+    try:
+        for i, (how, sig) in enumerate([("bash &", signal.SIGINT), ("bash &", signal.SIGTERM),
+                                        ("Popen", signal.SIGINT), ("Popen", signal.SIGTERM)]):
+            log = tmp_path / f"worker-{i}.log"
+            proc, pid = _start_worker(garage, how, log)
+            deadline = time.monotonic() + 180
+            while f"follows job {job}" not in (log.read_text() if log.exists() else ""):
+                assert proc.poll() is None and time.monotonic() < deadline, (how, log.read_text()[-3000:])
+                time.sleep(0.5)
+            assert _ignores_sigint(Path(f"/proc/{pid}/status").read_text()) is False  # taken, not ignored
+            os.kill(pid, sig)
+            try:
+                code = proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                raise AssertionError(f"{how}: the worker still ran 10 s after {sig.name}:\n{log.read_text()[-3000:]}")
+            assert code == 128 + sig, (how, sig.name, code, log.read_text()[-3000:])
+            assert f"{sig.name}: the worker stops" in log.read_text()
+            assert _queued(job), f"{how}, {sig.name}: job {job} ended with its worker"
+        before = garage.log.read_text().count(f"follows job {job}")
+        garage.start_worker()  # the fixture's again, for the tests after this one
+        deadline = time.monotonic() + 180
+        while garage.log.read_text().count(f"follows job {job}") == before:
+            assert garage.worker.poll() is None and time.monotonic() < deadline, garage.log.read_text()[-3000:]
+            time.sleep(0.5)
+    finally:
+        if garage.worker is None or garage.worker.poll() is not None:
+            garage.start_worker()
+    subprocess.run(["scancel", job], check=True)
+    run = garage.wait(flow_run_id, lambda r: r["state_type"] == "CRASHED" and f"job {job}" in r["state"]["message"],
+                      60, f"Crashed naming job {job}")
+    assert run["state"]["message"].startswith(f"job {job} ended") and len(garage.records(flow_run_id)) == 1
 
 
 @pytest.mark.slurm

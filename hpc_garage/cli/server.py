@@ -23,18 +23,26 @@ from hpc_garage.variables import SITE_ENV
               help="Address hpc-garage's Prefect server listens on, where PREFECT_API_URL is not set.")
 def worker(pool: str, site_name: str | None, name: str | None, limit: int | None, run_once: bool, host: str) -> None:
     """Turn the pool's flow runs (Run button, schedules, `prefect deployment run`) into batch jobs: what
-    `prefect worker start --pool POOL` does, on hpc-garage's Prefect server unless PREFECT_API_URL is set."""
+    `prefect worker start --pool POOL` does, on hpc-garage's Prefect server unless PREFECT_API_URL is set.
+    SIGINT or SIGTERM (Ctrl-C, `kill`) stops it within seconds; its jobs go on, and a worker started again
+    follows them."""
     import os
 
+    from hpc_garage import log
+    from hpc_garage.prefect import pool_signals
     from hpc_garage.prefect.server import ensure_api
 
-    os.environ.update(ensure_api(host=host))  # before Prefect is imported: it reads its settings then
-    from hpc_garage.work_pool import serve
-
+    log.setup()
+    pool_signals.stop_on_signals()  # from the start: ignored SIGINT (`&` in a script) included
     try:
-        serve(pool, site=site_name, name=name, limit=limit, run_once=run_once, host=host, printer=click.echo)
-    except KeyboardInterrupt:
-        sys.exit(130)
+        os.environ.update(ensure_api(host=host))  # before Prefect is imported: it reads its settings then
+        from hpc_garage.work_pool import serve
+
+        code = serve(pool, site=site_name, name=name, limit=limit, run_once=run_once, host=host,
+                     printer=click.echo)
+    except pool_signals.Stopped as stopped:
+        code = stopped.exit_code
+    sys.exit(code)
 
 
 @click.group()

@@ -5,7 +5,7 @@
   started; the runner connects to it with the job's TLS credentials;
 - anywhere else: the runner starts a local cluster shaped like one node of $HPC_GARAGE_SITE (default
   `local`), TLS on loopback too, since other users of a login node can reach its ports;
-- either way the flow and every worker use one Prefect API (`settle_api`: the one Prefect's settings name,
+- either way the flow and every worker use one Prefect API (flow_api.py: the one Prefect's settings name,
   `prefect_test_harness()`'s included, else hpc-garage's server); without that, each worker process starts
   its own temporary server on one SQLite file.
 
@@ -30,11 +30,9 @@ import ast
 import contextlib
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
 import dask
 from prefect.context import FlowRunContext, TagsContext
@@ -44,7 +42,9 @@ from prefect_dask.task_runners import PrefectDaskFuture
 from hpc_garage import log
 from hpc_garage.compat import dask_futures, runner_has_cluster, runner_started
 from hpc_garage.prefect import fast as prefect_fast
-from hpc_garage.prefect import outage
+from hpc_garage.prefect import outage, refusals
+from hpc_garage.prefect.flow_api import local_address_towards, settle_api
+from hpc_garage.prefect.flow_api import use_api  # noqa: F401 - its old place (tests, bench)
 from hpc_garage.prefect.metrics import TrialMetrics
 from hpc_garage.pruning import check_settings
 from hpc_garage.core.errors import UserError
@@ -67,15 +67,17 @@ def task_runner(*, site: str | Site | None = None, **kwargs: Any) -> HpcTaskRunn
 
     It is built when the flow is decorated, before the flow's first API call: the only moment at which
     the flow process can still be pointed at the shared Prefect API. `pruner=`, `metric=` and `mode=` are
-    checked then too (pruning.py), before any API or cluster is started.
+    checked then too (pruning.py), before any API or cluster is started. A refusal ends the flow's process in
+    one line (refusals.py), however it was started.
     """
+    refusals.install()
     check_settings(kwargs.get("pruner"), kwargs.get("metric"), kwargs.get("mode", "min"))
     if kwargs.get("address") or kwargs.get("cluster") or kwargs.get("cluster_class"):
         settle_api()  # the caller chose the cluster; the API is still ours to settle
         return HpcTaskRunner(**kwargs)
     handoff = handoff_from_env()
     if handoff is not None:
-        settle_api(host=_local_address_towards(handoff.address))
+        settle_api(host=local_address_towards(handoff.address))
         client_kwargs = {"security": handoff.security(), **kwargs.pop("client_kwargs", {})}
         return HpcTaskRunner(address=handoff.address, client_kwargs=client_kwargs, **kwargs)
     from distributed.security import Security
@@ -84,30 +86,6 @@ def task_runner(*, site: str | Site | None = None, **kwargs: Any) -> HpcTaskRunn
     cluster_kwargs = local_cluster_kwargs(site, kwargs.pop("cluster_kwargs", None) or {})
     cluster_kwargs = {"site": site, "env": settle_api(), "security": Security.temporary(), **cluster_kwargs}
     return HpcTaskRunner(cluster_class=LOCAL_CLUSTER, cluster_kwargs=cluster_kwargs, **kwargs)
-
-
-def settle_api(host: str = "127.0.0.1") -> dict[str, str]:
-    """The Prefect API of this flow and its workers, as the environment a worker needs to reach it.
-
-    The one Prefect's current settings name, when they name one: the environment and profile as Prefect
-    read them, or settings made in code (`prefect_test_harness()`, `temporary_settings`); this process
-    uses it already and nothing is exported. Otherwise `ensure_api` (the environment and profile as they
-    are now, else hpc-garage's server, started if need be), exported to this process.
-    """
-    from prefect.settings import get_current_settings
-
-    from hpc_garage.prefect.server import ensure_api
-
-    api = get_current_settings().api
-    if api.url:
-        env = {"PREFECT_API_URL": str(api.url)}
-        for name, secret in (("PREFECT_API_AUTH_STRING", api.auth_string), ("PREFECT_API_KEY", api.key)):
-            if secret is not None and secret.get_secret_value():
-                env[name] = secret.get_secret_value()
-        return env
-    env = ensure_api(host=host)
-    use_api(env)
-    return env
 
 
 # distributed.LocalCluster's arguments (prefect-dask documents them for its default cluster) that the local
@@ -317,45 +295,6 @@ def _running_worker_security() -> Any:
         return get_worker().security
     except ValueError:
         return None
-
-
-_api_in_use: list[str] = []  # the API URL use_api last exported here
-
-
-def use_api(env: dict[str, str]) -> None:
-    """Export the API to this process and its future children; Prefect read its settings at import.
-
-    A process that already sent Prefect events and logs to another API (hpc-garage's own server, idled out
-    and started again on another port; a notebook that runs flows for hours) keeps Prefect's events and log
-    workers bound to the old one: the new API would never hear of the task runs, and every flow would wait
-    for them. Those workers are stopped, so that Prefect starts them again on the new API."""
-    url = env.get("PREFECT_API_URL", "")
-    if all(os.environ.get(k) == v for k, v in env.items()) and _api_in_use[-1:] in ([], [url]):
-        return
-    import prefect.context
-
-    os.environ.update(env)
-    prefect.context.refresh_global_settings_context()
-    if _api_in_use and _api_in_use[-1] != url:
-        from prefect.events.worker import EventsWorker
-        from prefect.logging.handlers import APILogWorker
-
-        for service in (EventsWorker, APILogWorker):  # what they still queue was for the old API
-            service.drain_all(timeout=2, at_exit=False)
-    _api_in_use[:] = [url]
-
-
-def _local_address_towards(address: str) -> str:
-    """This machine's address on the scheduler's network: where workers can reach a server we start."""
-    host = urlsplit(address).hostname or "127.0.0.1"
-    if host in ("127.0.0.1", "localhost"):
-        return "127.0.0.1"
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((host, urlsplit(address).port or 8786))  # UDP: picks a route, sends nothing
-            return str(s.getsockname()[0])
-    except OSError:
-        return "0.0.0.0"
 
 
 def _refuse_unguarded_flow_call() -> None:
