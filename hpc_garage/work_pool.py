@@ -61,7 +61,7 @@ def serve(pool: str, *, site: str | None = None, name: str | None = None, limit:
             worker = HpcGarageWorker(work_pool_name=pool, name=name, limit=limit, base_job_template=template)
             try:
                 signum = asyncio.run(pool_signals.until_signalled(worker.start(run_once=run_once, printer=printer)))
-                return 0 if signum is None else pool_signals.Stopped(signum).exit_code
+                return 0 if signum is None else pool_signals.exit_code(signum)
             except Exception as exc:  # noqa: BLE001 - only the API's absence is waited out; the rest is raised
                 if run_once or "exceeded error threshold" not in _messages(exc):
                     raise

@@ -441,9 +441,11 @@ def _ignores_sigint(status: str) -> bool:
 
 def _start_worker(garage: Garage, how: str, log: Path) -> tuple[subprocess.Popen[str], int]:
     """A worker, started as scripts/test starts its shards (`&` in a non-interactive bash: SIGINT ignored) or by
-    plain Popen with SIGINT at Python's default; what to wait on, and the worker's pid."""
-    if how == "bash &":
-        line = f"{shlex.join([PY, *WORKER])} >>{shlex.quote(str(log))} 2>&1 & echo $!; wait $!"
+    Popen (`python -m hpc_garage`) with SIGINT at Python's default; what to wait on, and the worker's pid."""
+    if how == "bash &":  # the console script where there is one (a venv's bin/, pip's scripts directory)
+        script = Path(PY).parent / "hpc-garage"
+        command = [str(script), *WORKER[2:]] if script.is_file() else [PY, *WORKER]
+        line = f"{shlex.join(command)} >>{shlex.quote(str(log))} 2>&1 & echo $!; wait $!"
         shell = subprocess.Popen(["bash", "-c", line], env=garage.env, cwd=garage.home, stdout=subprocess.PIPE,
                                  text=True, start_new_session=True)
         assert shell.stdout is not None

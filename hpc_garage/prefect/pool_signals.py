@@ -37,7 +37,12 @@ class Stopped(BaseException):
 
     @property
     def exit_code(self) -> int:
-        return 128 + self.signum  # as a shell reports a process a signal ended: 130, 143
+        return exit_code(self.signum)
+
+
+def exit_code(signum: int) -> int:
+    """A process's exit code after a stop signal, as a shell reports one that the signal ended: 130, 143."""
+    return 128 + signum
 
 
 def stop_on_signals() -> None:
@@ -88,4 +93,4 @@ def _exit_now(signum: int, why: str) -> None:
     """The hard stop: no teardown (Prefect's API may not answer); the jobs are not touched either."""
     logger.warning("%s: the worker ends now", why)
     sys.stderr.flush()
-    os._exit(128 + signum)
+    os._exit(exit_code(signum))
