@@ -24,10 +24,30 @@ WIND_DOWN_SIGNAL = "URG"  # `hpc-garage cancel` to `run` (cluster/wind_down.py):
 
 
 class BatchSystem:
-    """One batch system: how to read a job's allocation, and (in subclasses) request, submit, query, cancel."""
+    """One batch system: how to read a job's allocation, and (in subclasses) request, submit, query, cancel.
+
+    As in Nextflow's AbstractGridExecutor, the mechanism (schedulers/submission/) owns a job's whole life and
+    each system overrides a handful of small things. The rest of hpc-garage asks a system what it can do
+    (the capabilities below), never its name: a new one is one subclass, one template and `register`.
+    """
 
     name: ClassVar[str]
     job_id_variable: ClassVar[str] = ""  # SLURM_JOB_ID, PBS_JOBID
+
+    # ---- what it can do: what the rest of the code asks instead of comparing names
+    takes_jobs: ClassVar[bool] = True  # a queue to submit to (`local`: none; jobs run on this machine)
+    launches_ranks: ClassVar[bool] = False  # its own launcher (srun) starts a job's ranks on its nodes
+    names_worker_logs: ClassVar[bool] = False  # a worker job's log is RunDir.worker_log (`%x-%j.out`), not its own name
+    jobqueue_job: ClassVar[str] = ""  # dask-jobqueue's "module:Job" and "module:Cluster" for worker jobs, if any
+    jobqueue_cluster: ClassVar[str] = ""
+
+    def jobqueue_classes(self) -> tuple[str, str]:
+        """dask-jobqueue's job and cluster classes ("module:Class") for `launcher: jobqueue`; refused in one
+        line where this batch system has none (the launcher never guesses another system's)."""
+        if not (self.jobqueue_job and self.jobqueue_cluster):
+            raise UserError(f"launcher jobqueue needs a batch system dask-jobqueue submits to (slurm, pbs), "
+                            f"not {self.name}; use launcher: mpi")
+        return self.jobqueue_job, self.jobqueue_cluster
 
     def job_id(self, env: Mapping[str, str]) -> str | None:
         """The id of the job this environment belongs to; one that could not be a job id (`../x`) is refused,
