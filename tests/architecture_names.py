@@ -219,8 +219,9 @@ def system_name_offenders(package: Package, parts: Iterable[str], names: Iterabl
             continue
         skip = {id(d) for d in docstrings(tree)}
         parents = {id(child): node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
-        for node in ast.walk(tree):
-            if not (isinstance(node, ast.Constant) and isinstance(node.value, str)) or id(node) in skip:
+        constants = [n for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+        for node in sorted(constants, key=lambda n: (n.lineno, n.col_offset)):
+            if id(node) in skip:
                 continue
             word = node.value.strip().lower()
             if word in names and (word not in site_names or _decides(node, parents)):
