@@ -30,7 +30,11 @@ _SYSTEMS: dict[str, str | type[BatchSystem]] = {
 def register(cls: type[BatchSystem]) -> type[BatchSystem]:
     """Add a batch system (a class decorator): from then on `get(cls.name)` is it, and so is a job whose
     environment sets its `job_id_variable` (`detect`)."""
+    from hpc_garage.core.site_values import BATCH_SYSTEMS
+
     _SYSTEMS[cls.name] = cls
+    if cls.name not in BATCH_SYSTEMS:  # what a site file's `scheduler:` may name
+        BATCH_SYSTEMS.append(cls.name)
     return cls
 
 

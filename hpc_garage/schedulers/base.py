@@ -45,9 +45,12 @@ class BatchSystem:
         """dask-jobqueue's job and cluster classes ("module:Class") for `launcher: jobqueue`; refused in one
         line where this batch system has none (the launcher never guesses another system's)."""
         if not (self.jobqueue_job and self.jobqueue_cluster):
-            raise UserError(f"launcher jobqueue needs a batch system dask-jobqueue submits to (slurm, pbs), "
-                            f"not {self.name}; use launcher: mpi")
+            raise self._no_worker_jobs()
         return self.jobqueue_job, self.jobqueue_cluster
+
+    def _no_worker_jobs(self) -> UserError:
+        return UserError(f"launcher jobqueue needs a batch system dask-jobqueue submits to (slurm, pbs), "
+                         f"not {self.name}; use launcher: mpi")
 
     def job_id(self, env: Mapping[str, str]) -> str | None:
         """The id of the job this environment belongs to; one that could not be a job id (`../x`) is refused,
@@ -63,7 +66,7 @@ class BatchSystem:
 
     def worker_job_options(self, job: WorkerJob) -> dict[str, Any]:
         """dask-jobqueue's batch-specific keyword arguments for one worker job of this shape."""
-        raise UserError(f"launcher jobqueue needs scheduler slurm or pbs, not {self.name}")
+        raise self._no_worker_jobs()
 
     def run(self, argv: Sequence[str], *, input: str | None = None, timeout: float = 60) -> str:
         """Run one of the batch system's commands; its failure becomes one line naming the command."""
