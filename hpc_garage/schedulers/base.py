@@ -95,6 +95,11 @@ class BatchSystem:
         """Where the job's stdout+stderr go unless the user says: a file whose directory exists at submit time."""
         raise NotImplementedError
 
+    def follow_up_output(self, output: str, run_root: Path, job_name: str) -> str:
+        """The output path of a job submitted again from a recorded one (`output`): the same where the batch
+        system puts the job id in it (%j)."""
+        return output
+
     def log_path(self, pattern: str, job_id: str, job_name: str) -> str:
         """The file a recorded output pattern names for this job (SLURM expands %j; PBS writes it as is)."""
         return pattern

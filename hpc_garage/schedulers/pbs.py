@@ -117,6 +117,10 @@ class Pbs(BatchSystem):
 
         return str(run_root / f"{job_name}.{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}.out")
 
+    def follow_up_output(self, output: str, run_root: Path, job_name: str) -> str:
+        """PBS logs carry no job id: a default one (in the run root) gets a new name, or the jobs would share it."""
+        return self.default_output(run_root, job_name) if Path(output).parent == run_root else output
+
     def submit_argv(self, script: Path, spec: JobSpec) -> list[str]:
         # -j/-o repeat the script's own directives: Slurm's qsub wrapper overrides them otherwise
         # (it forces `-o <script>.o<id>`), and it passes its arguments through a shell, hence plain paths.
