@@ -19,7 +19,7 @@ from hpc_garage.core import site_values
 from hpc_garage.core.allocation import Allocation, NodeAllocation
 from hpc_garage.core.errors import UserError
 from hpc_garage.core.units import mib
-from hpc_garage.schedulers import submission
+from hpc_garage.schedulers import job_env, submission
 from hpc_garage.schedulers.base import BatchSystem, JobStatus, fallback_memory, require, site_gpus, visible_gpus
 
 TEMPLATE = """\
@@ -107,6 +107,7 @@ def system(tmp_path: Path, site_dir: Path, monkeypatch: pytest.MonkeyPatch) -> t
     """The LSF-like system registered for this test alone, a site `lsf1` of it, and a script in tmp_path/work."""
     monkeypatch.setattr(schedulers, "_SYSTEMS", dict(schedulers._SYSTEMS))  # undone after the test
     monkeypatch.setattr(site_values, "BATCH_SYSTEMS", list(site_values.BATCH_SYSTEMS))
+    monkeypatch.setattr(job_env, "JOB_ID_VARIABLES", list(job_env.JOB_ID_VARIABLES))
     (tmp_path / "lsf.sh").write_text(TEMPLATE)
     cls = schedulers.register(lsf(tmp_path / "lsf.sh"))
     (site_dir / "lsf1.yaml").write_text(
@@ -187,6 +188,7 @@ def test_the_job_reads_its_allocation_from_its_environment(system: type[BatchSys
 
     env = {"LSB_JOBID": "77", "LSB_MCPU_HOSTS": "n1 8 n2 8", "PATH": "/usr/bin"}
     assert schedulers.in_batch_job(env) and schedulers.job_id(env) == "77"
+    assert job_env.job_id(env) == "77"  # what the flow's side reads (a scheduler file of another job is refused)
     site = load_site("lsf1")
     allocation = schedulers.allocation_from_env(site, env)
     assert [(n.host, n.cores) for n in allocation.nodes] == [("n1", 8), ("n2", 8)]

@@ -1,4 +1,5 @@
-"""Batch systems: one small module each, saying only what differs (directives, commands, environment)."""
+"""Batch systems: one small module each, saying only what differs (directives, commands, environment) and what
+it can do; the registry here is the one list of them, and the rest of hpc-garage asks them, never their names."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import TYPE_CHECKING
 from hpc_garage.core.allocation import Allocation
 from hpc_garage.core.errors import AllocationError, UserError
 from hpc_garage.core.request import Request
-from hpc_garage.schedulers.job_env import JOB_ID_VARIABLES, job_id as _env_job_id
+from hpc_garage.schedulers import job_env
 
 if TYPE_CHECKING:  # base imports subprocess: `show` outside a job never needs it
     from hpc_garage.core.site import Site
@@ -35,12 +36,9 @@ def register(cls: type[BatchSystem]) -> type[BatchSystem]:
     _SYSTEMS[cls.name] = cls
     if cls.name not in BATCH_SYSTEMS:  # what a site file's `scheduler:` may name
         BATCH_SYSTEMS.append(cls.name)
+    if cls.job_id_variable and (cls.name, cls.job_id_variable) not in job_env.JOB_ID_VARIABLES:
+        job_env.JOB_ID_VARIABLES.append((cls.name, cls.job_id_variable))  # its jobs, known from their environment
     return cls
-
-
-def names() -> tuple[str, ...]:
-    """The batch systems hpc-garage knows, built-in and registered."""
-    return tuple(_SYSTEMS)
 
 
 def get(name: str) -> BatchSystem:
@@ -62,19 +60,12 @@ def for_allocation(allocation: Allocation) -> BatchSystem | None:
     return get(allocation.source) if allocation.source in _SYSTEMS else None
 
 
-def _job_id_variables() -> list[tuple[str, str]]:
-    """(name, job id variable) of every batch system, built-in ones first (in the order a tie is decided)."""
-    registered = [(name, cls.job_id_variable) for name, cls in _SYSTEMS.items()
-                  if not isinstance(cls, str) and cls.job_id_variable]
-    return [*JOB_ID_VARIABLES, *(pair for pair in registered if pair not in JOB_ID_VARIABLES)]
-
-
 def detect(env: Mapping[str, str], prefer: str | None = None) -> BatchSystem | None:
     """The batch system whose job this environment belongs to, or None on a login node.
 
     Slurm's Torque plugin sets PBS_JOBID inside Slurm jobs too, so a site's own scheduler wins a tie.
     """
-    present = [name for name, var in _job_id_variables() if env.get(var)]
+    present = [name for name, var in job_env.JOB_ID_VARIABLES if env.get(var)]
     if not present:
         return None
     return get(prefer if prefer in present else present[0])
@@ -83,7 +74,7 @@ def detect(env: Mapping[str, str], prefer: str | None = None) -> BatchSystem | N
 def in_batch_job(env: Mapping[str, str] | None = None) -> bool:
     """Whether this process runs inside a batch job (of any batch system hpc-garage knows)."""
     env = os.environ if env is None else env
-    return any(var in env for _, var in _job_id_variables())
+    return any(var in env for _, var in job_env.JOB_ID_VARIABLES)
 
 
 def in_job_of(site: Site | SiteView, env: Mapping[str, str] | None = None) -> bool:
@@ -94,11 +85,7 @@ def in_job_of(site: Site | SiteView, env: Mapping[str, str] | None = None) -> bo
 
 def job_id(env: Mapping[str, str] | None = None) -> str | None:
     """The id of the batch job this process runs in, or None on a login node."""
-    env = os.environ if env is None else env
-    for name, variable in _job_id_variables()[len(JOB_ID_VARIABLES):]:  # registered systems (built-in: job_env)
-        if env.get(variable):
-            return get(name).job_id(env)
-    return _env_job_id(env)
+    return job_env.job_id(os.environ if env is None else env)
 
 
 def allocation_from_env(site: Site, env: Mapping[str, str] | None = None) -> Allocation:

@@ -83,7 +83,7 @@ class BatchSystem:
 
     # ---- taking jobs: each batch system says only what differs; the mechanism is hpc_garage.schedulers.submission
 
-    template: ClassVar[str] = ""  # job-script template in jobscripts/
+    template: ClassVar[str] = ""  # job-script template: a file in jobscripts/, or an absolute path (a plugin's)
     directive_prefix: ClassVar[str] = ""  # "#SBATCH", "#PBS"
     submit_command: ClassVar[str] = ""  # "sbatch", "qsub"
 
