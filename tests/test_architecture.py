@@ -9,7 +9,8 @@ Every claim ARCHITECTURE.md makes about the code is checked here:
   `"pbs"`; `"local"` where code decides by it) above it: the rest asks a system what it can do;
 - `core/` (and the jobqueue scaling policy) pure: no environment, files, subprocess;
 - Prefect's package imported only by `prefect/` and `compat/`, and its clients (httpx, websockets) too;
-  `prefect_api.py` on the standard library alone; Dask never started by `schedulers/`; the CLI's, `sites/view.py`'s and the package's import light;
+  `prefect_api.py` on the standard library alone; Dask never started by `schedulers/`; the CLI's,
+  `sites/view.py`'s and the package's import light;
 - other packages' private names only in `compat/` (one module per package), each use there declared with `@uses`;
 - every `HPC_GARAGE_*` name spelled once: in `variables.py` (or, for the one core writes, `core/variable_names.py`,
   which variables.py re-exports);

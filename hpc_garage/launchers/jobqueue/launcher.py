@@ -196,7 +196,8 @@ class JobqueueLauncher(Launcher):
             await self.clusters[rec.pool].scale_down([rec.name])  # gone: out of the cluster's spec, so it is replaced
         await retire_drained(self.scheduler, self.book, now)
         await finish_retired(self.clusters, self.book, now)
-        targets = pool_targets(list(self.shapes.values()), pool_states(self.book, self.scheduler), self.site.jobqueue.max_jobs_in_queue)
+        targets = pool_targets(list(self.shapes.values()), pool_states(self.book, self.scheduler),
+                               self.site.jobqueue.max_jobs_in_queue)
         for pool, cluster in self.clusters.items():
             live = self.book.live(pool)
             if pool in self.book.stopped_pools or self.draining_now:
