@@ -120,7 +120,7 @@ def system(tmp_path: Path, site_dir: Path, monkeypatch: pytest.MonkeyPatch) -> t
     return cls
 
 
-def hpc_garage(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
     from hpc_garage.cli import main
 
     with pytest.raises(SystemExit) as exit_:
@@ -143,7 +143,7 @@ def test_a_site_may_name_it_only_once_it_is_registered(tmp_path: Path, site_dir:
 
 def test_show_script_renders_its_template(system: type[BatchSystem], tmp_path: Path,
                                           capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = hpc_garage(["show", "--site", "lsf1", "--script", "--nodes", "2", "--time", "1:30:00"], capsys)
+    code, out, err = run_cli(["show", "--site", "lsf1", "--script", "--nodes", "2", "--time", "1:30:00"], capsys)
     assert (code, err) == (0, "")
     lines = out.splitlines()
     assert lines[:6] == ["#!/bin/bash", "#BSUB -J SCRIPT", "#BSUB -n 4",
@@ -177,7 +177,7 @@ def test_status_is_parsed_by_it(system: type[BatchSystem], answer: str, phase: s
     assert view.batch.name == "lsf" and view.status is not None
     assert (view.status.state, view.status.phase, view.status.exit_code) == (answer.split("|")[1], phase, exit_code)
     assert system.calls[-1][0] == "bjobs" and system.calls[-1][-1] == "77"
-    code, out, err = hpc_garage(["status", "77"], capsys)
+    code, out, err = run_cli(["status", "77"], capsys)
     assert code == 0 and "77" in out and answer.split("|")[1] in out
 
 
@@ -199,7 +199,7 @@ def test_the_job_reads_its_allocation_from_its_environment(system: type[BatchSys
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    code, out, err = hpc_garage(["show", "--site", "lsf1"], capsys)  # `show` inside the job lays out its allocation
+    code, out, err = run_cli(["show", "--site", "lsf1"], capsys)  # `show` inside the job lays out its allocation
     assert code == 0 and "n1" in out and "n2" in out, out + err
 
 
