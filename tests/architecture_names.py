@@ -24,7 +24,7 @@ import re
 import types
 from collections.abc import Callable, Iterable
 
-from tests.architecture import Package, code_strings
+from tests.architecture import Package, code_strings, docstrings
 
 # -------------------------------------------------------------------------------------- private names
 
@@ -194,3 +194,54 @@ def constant_definitions(tree: ast.Module, pattern: str) -> dict[str, tuple[int,
                 if isinstance(target, ast.Name):
                     found[target.id] = (node.lineno, node.value.value)
     return found
+
+
+# ------------------------------------------------------------------------------ batch-system names
+
+
+def system_name_offenders(package: Package, parts: Iterable[str], names: Iterable[str],
+                          site_names: Iterable[str] = ()) -> list[str]:
+    """Batch-system names used as such in the code of `parts`, where the code should ask a batch system what
+    it can do instead.
+
+    A code string (not a docstring, not a comment) counts when it is, whole and in any case, one of `names`
+    (`"slurm"`, `"PBS"`): there is no other reason to hold a bare system name. A name that is also a site's
+    (`site_names`: `local` is the default site) counts only where the code decides by it: an operand of a
+    comparison (`==`, `!=`, `in`, or an element of the tuple/list/set that `in` searches), a dict key, or a
+    match case; `load_site(name or "local")` names a site and passes. Text that merely holds a name (a site
+    `"slurm-gpu"`, a message "give a SLURM site") is prose, not a choice of system, and passes.
+    """
+    names, site_names = {n.lower() for n in names}, {n.lower() for n in site_names}
+    parts = set(parts)
+    offenders = []
+    for module, tree in package.trees.items():
+        if package.part(module) not in parts:
+            continue
+        skip = {id(d) for d in docstrings(tree)}
+        parents = {id(child): node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+        constants = [n for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+        for node in sorted(constants, key=lambda n: (n.lineno, n.col_offset)):
+            if id(node) in skip:
+                continue
+            word = node.value.strip().lower()
+            if word in names and (word not in site_names or _decides(node, parents)):
+                offenders.append(f"{package.where(package.modules[module], node.lineno)}: {node.value!r}")
+    return offenders
+
+
+def _decides(node: ast.AST, parents: dict[int, ast.AST]) -> bool:
+    """Whether this constant is compared, a dict key or a match case (what code chooses by)."""
+    parent = parents.get(id(node))
+    if isinstance(parent, (ast.Tuple, ast.List, ast.Set)) and isinstance(parents.get(id(parent)), ast.Compare):
+        return True
+    return isinstance(parent, (ast.Compare, ast.MatchValue)) or isinstance(parent, ast.Dict) and node in parent.keys
+
+
+def registry_names(tree: ast.Module, registry: str) -> list[str]:
+    """The string keys of the module-level dict `registry` (the batch systems schedulers/ knows)."""
+    for node in tree.body:
+        target = node.target if isinstance(node, ast.AnnAssign) else \
+            node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else None
+        if isinstance(target, ast.Name) and target.id == registry and isinstance(node.value, ast.Dict):
+            return [k.value for k in node.value.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)]
+    return []

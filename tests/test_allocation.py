@@ -12,7 +12,7 @@ from hpc_garage.core.request import Request
 from hpc_garage.core.errors import AllocationError
 from hpc_garage.schedulers import allocation_from_env
 from hpc_garage.schedulers.pbs import Pbs, parse_qstat_f
-from hpc_garage.schedulers.slurm import expand_counts, expand_hostlist
+from hpc_garage.schedulers.hostlist import expand_counts, expand_hostlist
 from hpc_garage.sites import load_site
 from tests.conftest import DATA, read_env_dump
 

@@ -5,10 +5,12 @@ Every claim ARCHITECTURE.md makes about the code is checked here:
   to `LAYERS`, checked on everything a module reaches (lazy imports, strings handed to a loader, and what its
   imports import in turn; `tests/architecture.py` says exactly what counts); no import circles;
 - batch-system spellings (`SLURM_*`/`PBS_*` variables, `#SBATCH`/`#PBS` directives, `select=`, `--gres=`,
-  `ngpus=`, scontrol/squeue/qstat) only under `hpc_garage/schedulers/`;
+  `ngpus=`, scontrol/squeue/qstat) only under `hpc_garage/schedulers/`, and no batch system's name (`"slurm"`,
+  `"pbs"`; `"local"` where code decides by it) above it: the rest asks a system what it can do;
 - `core/` (and the jobqueue scaling policy) pure: no environment, files, subprocess;
-- Prefect's package imported only by `prefect/` and `compat/`; `prefect_api.py` on the standard library
-  alone; Dask never started by `schedulers/`; the CLI's, `sites/view.py`'s and the package's import light;
+- Prefect's package imported only by `prefect/` and `compat/`, and its clients (httpx, websockets) too;
+  `prefect_api.py` on the standard library alone; Dask never started by `schedulers/`; the CLI's,
+  `sites/view.py`'s and the package's import light;
 - other packages' private names only in `compat/` (one module per package), each use there declared with `@uses`;
 - every `HPC_GARAGE_*` name spelled once: in `variables.py` (or, for the one core writes, `core/variable_names.py`,
   which variables.py re-exports);
@@ -27,7 +29,8 @@ import pytest
 
 from tests.architecture import (Package, by_name_edges, code_lines, code_tokens, import_time_offenders,
                                 layer_offenders, third_party_offenders)
-from tests.architecture_names import constant_definitions, literal_offenders, private_offenders, private_uses
+from tests.architecture_names import (constant_definitions, literal_offenders, private_offenders, private_uses,
+                                      registry_names, system_name_offenders)
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "hpc_garage"
@@ -139,6 +142,22 @@ def test_batch_system_spellings_only_in_schedulers() -> None:
     assert not offenders, "batch-system spellings outside hpc_garage/schedulers/:\n" + "\n".join(offenders)
 
 
+# The site model and its plain mirror (core/site.py, sites/) sit below schedulers/ and spell the names a site
+# file's `scheduler:` may take; everything above asks a batch system what it can do (schedulers/base.py).
+NAMES_SPELLED = {"schedulers", "core", "sites"}
+SITE_NAMED_LIKE_A_SYSTEM = ["local"]  # the default site is called `local`: `name or "local"` names a site
+
+
+def test_no_batch_system_name_above_schedulers() -> None:
+    names = registry_names(HPC.trees["hpc_garage.schedulers"], "_SYSTEMS")
+    assert {"slurm", "pbs", "local"} <= set(names), f"schedulers/__init__.py's _SYSTEMS lists {names}"
+    parts = {HPC.part(m) for m in HPC.modules} - NAMES_SPELLED
+    assert {"launchers", "cluster", "cli", "doctor", "prefect"} <= parts
+    offenders = system_name_offenders(HPC, parts, names, SITE_NAMED_LIKE_A_SYSTEM)
+    assert not offenders, ("a batch system's name outside schedulers/ (ask the system what it can do: "
+                           "schedulers/base.py's capabilities):\n" + "\n".join(offenders))
+
+
 def _module(path: Path) -> str:
     return next(name for name, p in HPC.modules.items() if p == path)
 
@@ -196,6 +215,17 @@ def test_one_client_speaks_http() -> None:
     others = {HPC.part(m) for m in HPC.modules} - {"prefect_api"}
     offenders = third_party_offenders(HPC, others, ["urllib.request", "http.client", "requests", "urllib3"])
     assert not offenders, "HTTP outside prefect_api.py:\n" + "\n".join(offenders)
+
+
+# Prefect's own clients (httpx, websockets) run in the flow: prefect/ may handle what they raise; hpc-garage's own
+# HTTP goes through prefect_api.py (standard library), so nothing else imports them.
+PREFECT_CLIENTS_ALLOWED = {"prefect", "compat"}
+
+
+def test_prefect_clients_only_on_the_flow_side() -> None:
+    others = {HPC.part(m) for m in HPC.modules} - PREFECT_CLIENTS_ALLOWED
+    offenders = third_party_offenders(HPC, others, ["httpx", "websockets"])
+    assert not offenders, "httpx/websockets outside prefect/ and compat/:\n" + "\n".join(offenders)
 
 
 def _imported_top_names(part: str) -> set[str]:

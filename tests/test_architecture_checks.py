@@ -7,7 +7,7 @@ import textwrap
 from pathlib import Path
 
 from tests.architecture import Package, by_name_edges, import_time_offenders, layer_offenders, third_party_offenders
-from tests.architecture_names import literal_offenders, private_offenders
+from tests.architecture_names import literal_offenders, private_offenders, registry_names, system_name_offenders
 
 
 def package(tmp_path: Path, files: dict[str, str]) -> Package:
@@ -154,3 +154,32 @@ def test_heavy_imports_at_import_time_are_found_through_what_is_imported(tmp_pat
     assert import_time_offenders(pkg, "pkg.cli", ["prefect", "distributed"]) == [
         "pkg/mid.py:2: imports prefect.flows at import time (via pkg/cli.py:1 imports pkg.mid)"]
     assert third_party_offenders(pkg, ["slow"], ["distributed"]) == ["pkg/slow.py:1: imports distributed"]
+
+
+def test_a_batch_system_name_is_found_where_code_decides_by_it(tmp_path: Path) -> None:
+    pkg = package(tmp_path, {
+        "low/systems.py": 'SYSTEMS = {"slurm": "low.slurm:Slurm", "pbs": "low.pbs:Pbs", "local": "low.local:Local"}\n',
+        "top/a.py": '''\
+            """Docstrings may say slurm."""
+            def f(site, get):
+                if site.scheduler == "slurm":  # compared
+                    pass
+                kind = get("PBS")  # held, in any case
+                ok = site.scheduler in ("pbs", "local")  # what `in` searches
+                default = site.name or "local"  # a site's name: passes
+                prose = "submit to the slurm-gpu site on SLURM"  # text holding a name: passes
+                return {"local": 1}  # a dict key
+            '''})
+    names = registry_names(pkg.trees["pkg.low.systems"], "SYSTEMS")
+    assert names == ["slurm", "pbs", "local"]
+    assert system_name_offenders(pkg, ["top"], names, ["local"]) == [
+        "pkg/top/a.py:3: 'slurm'", "pkg/top/a.py:5: 'PBS'", "pkg/top/a.py:6: 'pbs'", "pkg/top/a.py:6: 'local'",
+        "pkg/top/a.py:9: 'local'"]
+    assert len(system_name_offenders(pkg, ["low"], names, ["local"])) == 3  # the registry's part spells them all
+
+
+def test_an_http_client_import_is_found(tmp_path: Path) -> None:
+    pkg = package(tmp_path, {"low/a.py": "def f():\n    import httpx\n", "top/b.py": "from websockets import connect\n",
+                             "mid/c.py": "import json\n"})
+    assert third_party_offenders(pkg, ["low", "mid", "top"], ["httpx", "websockets"]) == [
+        "pkg/low/a.py:2: imports httpx", "pkg/top/b.py:1: imports websockets"]

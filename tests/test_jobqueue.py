@@ -346,3 +346,21 @@ def test_command_learns_what_workers_the_pools_can_start() -> None:
     offers = pool_offers(job_shapes(load_site("lab-pools")))
     assert offers == [{"GPU": 1, "CPU": 2, "MEMORY": 3758096384, "PROCESS": 1},
                       {"CPU": 4, "MEMORY": 7.5 * GIB, "PROCESS": 1, UNTAGGED: 1_000_000}]
+
+
+@pytest.mark.parametrize("scheduler", ["slurm", "pbs"])
+def test_a_failed_worker_job_points_at_its_log_where_the_batch_system_names_it(scheduler: str,
+                                                                                tmp_path: Path) -> None:
+    """Slurm writes a worker job's log under the name the run directory gives it (`%x-%j.out`); PBS names its
+    own, so the message points at the folder."""
+    from hpc_garage.launchers.jobqueue.records import JobBook
+    from hpc_garage.launchers.jobqueue.scaling import JobRecord
+    from hpc_garage.rundir import RunDir
+
+    site = parse_site_dict({**jq_site(), "scheduler": scheduler})
+    book = JobBook(site, "r1", job_shapes(site))
+    book.rundir = RunDir(tmp_path / "7")
+    text = book.failure_text(JobRecord(pool="default", name="default-0", job_id="12"))
+    logs = tmp_path / "7" / "worker-logs"
+    assert text.endswith(f"; see {logs}/hpcg-default-r1-12.out" if scheduler == "slurm" else
+                         f"; see its log in {logs}")

@@ -76,7 +76,7 @@ def run(site: Site, command: list[str], *, insecure: bool = False, timeout: floa
     `preload`: what the workers and the scheduler import first (the CLI passes Prefect's, prefect/preload.py);
     None: $HPC_GARAGE_WORKER_PRELOAD, else distributed.
     """
-    from hpc_garage.schedulers import allocation_from_env, in_batch_job, job_id as batch_job_id
+    from hpc_garage.schedulers import allocation_from_env, in_job_of, job_id as batch_job_id
 
     log.setup()  # the job log's `hpc-garage: ...` lines (hpc_garage/log.py)
     env = dict(os.environ if env is None else env)
@@ -95,7 +95,7 @@ def run(site: Site, command: list[str], *, insecure: bool = False, timeout: floa
         job_id = batch_job_id(env) or f"local-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         layout_, notes = initial_layout(site)
         launcher = JobqueueLauncher(site, job_id, run_end_time(site, env, walltime))  # worker jobs end before it
-    elif site.scheduler != "local" and in_batch_job(env):
+    elif in_job_of(site, env):
         allocation = allocation_from_env(site, env)
         layout_ = layout(site, allocation)
         if site.mpi.launch == "dask-mpi":  # one MPI rank per worker, dask-mpi's worker side (launchers/dask_mpi.py)
@@ -115,7 +115,7 @@ def run(site: Site, command: list[str], *, insecure: bool = False, timeout: floa
         launcher = LocalLauncher(layout_)
         job_id = f"local-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         notes = [f"no batch job here: a local cluster shaped like one {site.name} node"] + notes
-    in_job = site.scheduler != "local" and in_batch_job(env)
+    in_job = in_job_of(site, env)
     swept = join_sweep(site, command, job_id, name=sweep, epoch=sweep_epoch, resume=resume, in_job=in_job)
     for note in notes:
         logger.info(note)

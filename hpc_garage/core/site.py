@@ -161,7 +161,7 @@ class Site(_Strict):
 
     name: str = Field(pattern=NAME_PATTERN)  # default: the file name without .yaml
     description: str = ""  # shown by `hpc-garage sites`
-    scheduler: Literal["slurm", "pbs", "local"]  # the batch system
+    scheduler: str = Field(pattern=NAME_PATTERN)  # the batch system: slurm, pbs, local, or one a plugin registers
     launcher: Literal["mpi", "jobqueue"] = "mpi"  # mpi: workers inside one allocation; jobqueue: elastic worker jobs
     queue: str | None = None  # partition (SLURM) or queue (PBS)
     account: str | None = None  # --account / -A
@@ -192,6 +192,9 @@ class Site(_Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> Site:
+        if self.scheduler not in _values.BATCH_SYSTEMS:
+            raise ValueError(f"scheduler {self.scheduler!r} is not a batch system hpc-garage knows; use one of "
+                             f"{', '.join(_values.BATCH_SYSTEMS)}")
         if self.workers.per == "gpu" and self.node.gpus == 0:
             raise ValueError("workers.per is 'gpu' but node.gpus is 0; set node.gpus or use per: node")
         if self.workers.reserve_memory >= self.node.memory:

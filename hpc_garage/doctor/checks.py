@@ -100,10 +100,10 @@ Step = Callable[[], "Check | None"]
 
 def _steps(site: Site, batch: BatchSystem | None, env: Mapping[str, str],
            api: Callable[[], Check] | None) -> Iterator[tuple[str, Step]]:
-    if site.scheduler != "local":
-        from hpc_garage.schedulers import get
+    from hpc_garage.schedulers import get
 
-        system = batch if batch is not None else get(site.scheduler)
+    system = batch if batch is not None else get(site.scheduler)
+    if system.takes_jobs:
         yield "batch commands", lambda: batch_commands(system)
         if not system.missing_commands():  # else the line above says what to fix first
             for pool, pool_site in _pools(site):
@@ -195,7 +195,9 @@ def interface(site: Site, names: Callable[[], list[str]] | None = None) -> Check
     if site.interface in have:
         return Check("interface", f"{site.interface} exists here")
     found = f"{site.interface} does not exist on this node (it has {', '.join(have)})"
-    if site.scheduler == "local":
+    from hpc_garage.schedulers import get
+
+    if not get(site.scheduler).takes_jobs:  # its jobs run here: the interface must be here too
         return Check.fail("interface", found, f"set interface in {site_file(site)} to one of them")
     return Check.note("interface", f"{found}; compute nodes may have it: `hpc-garage doctor --job` checks there")
 

@@ -251,7 +251,9 @@ def mpi_ranks(ranks: list[dict[str, Any]], workers: int) -> Check:
 
 def probe_site(site: Site) -> None:
     """Refuse a site no job can be submitted to (before anything is written)."""
-    if site.scheduler == "local":
+    from hpc_garage.schedulers import get
+
+    if not get(site.scheduler).takes_jobs:
         raise UserError(f"site {site.name} is local: --job submits a batch job; give a SLURM or PBS site "
                         "(`hpc-garage sites` lists them)")
     if site.launcher == "jobqueue" and site.jobqueue.driver == "login":

@@ -52,7 +52,7 @@ from hpc_garage.launchers.common import (Launcher, end_process, forkserver_env, 
                                         start_worker_forkserver, worker_options, worker_preload)
 from hpc_garage.launchers.mpi import node_index, node_workers, write_rank_file
 from hpc_garage.rundir import RunDir
-from hpc_garage.schedulers import get, local_rank, node_name, node_rank
+from hpc_garage.schedulers import for_allocation, local_rank, node_name, node_rank
 
 # Where MPI implementations put a rank's place among the ranks of its node, and in the whole job, before
 # MPI_Init. Read before srun's own variables: under an mpirun that SLURM started, those are its daemon's.
@@ -239,11 +239,12 @@ class DaskMpiLauncher(Launcher):
     def rank_argv(self, ranks_file: Path) -> list[str]:
         from hpc_garage.schedulers.jobscript import dask_mpi_ranks  # the site models: not in every rank
 
-        in_slurm = self.layout.allocation.source == "slurm"
+        batch = for_allocation(self.layout.allocation)
+        in_slurm = bool(batch and batch.launches_ranks)
         via = self.layout.site.mpi.via
         if via == "srun" and not in_slurm:
             raise UserError("mpi.via: srun, but this job is not a SLURM job; use via: mpiexec or auto")
-        nodefile = get("pbs").nodefile(self.env) if self.layout.allocation.source == "pbs" else None
+        nodefile = batch.nodefile(self.env) if batch else None
         python = self.layout.site.python or sys.executable
         return dask_mpi_ranks(self.layout, [python, "-m", "hpc_garage.launchers.dask_mpi", str(ranks_file)],
                               in_slurm=in_slurm, nodefile=nodefile)

@@ -41,7 +41,7 @@ from hpc_garage.launchers.common import (Launcher, end_process, forkserver_env, 
 from hpc_garage.core.gpus import vendor_of
 from hpc_garage.core.layout import Layout, WorkerSpec, pin_gpus
 from hpc_garage.variables import CPUS_ENV
-from hpc_garage.schedulers import get, node_name, node_rank
+from hpc_garage.schedulers import for_allocation, node_name, node_rank
 
 if TYPE_CHECKING:
     from hpc_garage.rundir import RunDir
@@ -261,12 +261,11 @@ class MpiLauncher(Launcher):
         ranks_file = rundir.ranks_file
         write_rank_file(ranks_file, self.layout, scheduler_file=rundir.dask_scheduler_file, tls=tls,
                         worker_env=worker_env, timeout=timeout, preload=worker_preload(worker_env))
-        nodefile = get(self.layout.allocation.source).nodefile(self.env) if self.layout.allocation.source == "pbs" \
-            else None
+        batch = for_allocation(self.layout.allocation)
         python = self.layout.site.python or sys.executable
         self.rank_argv = [python, "-m", "hpc_garage.launchers.mpi", str(ranks_file)]
-        self.launches = rank_commands(self.layout, self.rank_argv, in_slurm=self.layout.allocation.source == "slurm",
-                                      nodefile=nodefile)
+        self.launches = rank_commands(self.layout, self.rank_argv, in_slurm=bool(batch and batch.launches_ranks),
+                                      nodefile=batch.nodefile(self.env) if batch else None)
         for launch in self.launches:
             self.procs.append(await self._start(launch))
 

@@ -24,10 +24,33 @@ WIND_DOWN_SIGNAL = "URG"  # `hpc-garage cancel` to `run` (cluster/wind_down.py):
 
 
 class BatchSystem:
-    """One batch system: how to read a job's allocation, and (in subclasses) request, submit, query, cancel."""
+    """One batch system: how to read a job's allocation, and (in subclasses) request, submit, query, cancel.
+
+    As in Nextflow's AbstractGridExecutor, the mechanism (schedulers/submission/) owns a job's whole life and
+    each system overrides a handful of small things. The rest of hpc-garage asks a system what it can do
+    (the capabilities below), never its name: a new one is one subclass, one template and `register`.
+    """
 
     name: ClassVar[str]
     job_id_variable: ClassVar[str] = ""  # SLURM_JOB_ID, PBS_JOBID
+
+    # ---- what it can do: what the rest of the code asks instead of comparing names
+    takes_jobs: ClassVar[bool] = True  # a queue to submit to (`local`: none; jobs run on this machine)
+    launches_ranks: ClassVar[bool] = False  # its own launcher (srun) starts a job's ranks on its nodes
+    names_worker_logs: ClassVar[bool] = False  # a worker job's log is RunDir.worker_log (`%x-%j.out`), not its own name
+    jobqueue_job: ClassVar[str] = ""  # dask-jobqueue's "module:Job" and "module:Cluster" for worker jobs, if any
+    jobqueue_cluster: ClassVar[str] = ""
+
+    def jobqueue_classes(self) -> tuple[str, str]:
+        """dask-jobqueue's job and cluster classes ("module:Class") for `launcher: jobqueue`; refused in one
+        line where this batch system has none (the launcher never guesses another system's)."""
+        if not (self.jobqueue_job and self.jobqueue_cluster):
+            raise self._no_worker_jobs()
+        return self.jobqueue_job, self.jobqueue_cluster
+
+    def _no_worker_jobs(self) -> UserError:
+        return UserError(f"launcher jobqueue needs a batch system dask-jobqueue submits to (slurm, pbs), "
+                         f"not {self.name}; use launcher: mpi")
 
     def job_id(self, env: Mapping[str, str]) -> str | None:
         """The id of the job this environment belongs to; one that could not be a job id (`../x`) is refused,
@@ -43,7 +66,7 @@ class BatchSystem:
 
     def worker_job_options(self, job: WorkerJob) -> dict[str, Any]:
         """dask-jobqueue's batch-specific keyword arguments for one worker job of this shape."""
-        raise UserError(f"launcher jobqueue needs scheduler slurm or pbs, not {self.name}")
+        raise self._no_worker_jobs()
 
     def run(self, argv: Sequence[str], *, input: str | None = None, timeout: float = 60) -> str:
         """Run one of the batch system's commands; its failure becomes one line naming the command."""
@@ -60,7 +83,7 @@ class BatchSystem:
 
     # ---- taking jobs: each batch system says only what differs; the mechanism is hpc_garage.schedulers.submission
 
-    template: ClassVar[str] = ""  # job-script template in jobscripts/
+    template: ClassVar[str] = ""  # job-script template: a file in jobscripts/, or an absolute path (a plugin's)
     directive_prefix: ClassVar[str] = ""  # "#SBATCH", "#PBS"
     submit_command: ClassVar[str] = ""  # "sbatch", "qsub"
 
@@ -71,6 +94,11 @@ class BatchSystem:
     def default_output(self, run_root: Path, job_name: str) -> str:
         """Where the job's stdout+stderr go unless the user says: a file whose directory exists at submit time."""
         raise NotImplementedError
+
+    def follow_up_output(self, output: str, run_root: Path, job_name: str) -> str:
+        """The output path of a job submitted again from a recorded one (`output`): the same where the batch
+        system puts the job id in it (%j)."""
+        return output
 
     def log_path(self, pattern: str, job_id: str, job_name: str) -> str:
         """The file a recorded output pattern names for this job (SLURM expands %j; PBS writes it as is)."""

@@ -11,7 +11,8 @@ from collections.abc import Mapping
 
 from hpc_garage.core.errors import AllocationError
 
-JOB_ID_VARIABLES = (("slurm", "SLURM_JOB_ID"), ("pbs", "PBS_JOBID"))  # in the order a tie is decided
+# (batch system, its job id variable), in the order a tie is decided; `schedulers.register` adds a new system's
+JOB_ID_VARIABLES = [("slurm", "SLURM_JOB_ID"), ("pbs", "PBS_JOBID")]
 JOB_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\[\]-]*")
 
 

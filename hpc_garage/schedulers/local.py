@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 
 class Local(BatchSystem):
     name = "local"
+    takes_jobs = False
 
     def allocation_from_env(self, env: Mapping[str, str], site: Site) -> Allocation:
         from hpc_garage.core.allocation import Allocation

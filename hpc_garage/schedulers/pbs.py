@@ -31,6 +31,8 @@ def _qstat_f(job_id: str) -> str:
 class Pbs(BatchSystem):
     name = "pbs"
     job_id_variable = "PBS_JOBID"
+    jobqueue_job = "dask_jobqueue.pbs:PBSJob"
+    jobqueue_cluster = "dask_jobqueue:PBSCluster"
 
     def allocation_from_env(
         self,
@@ -70,7 +72,7 @@ class Pbs(BatchSystem):
         if len(hosts) > 1 and gpus:
             notes.append("GPU ids of nodes after the first are read by each worker on its own node")
         node_list = tuple(NodeAllocation(host=h, cores=cores, memory=memory, gpus=gpus) for h in hosts)
-        return Allocation(nodes=node_list, source="pbs", job_id=job_id, walltime=walltime, notes=tuple(notes))
+        return Allocation(nodes=node_list, source=self.name, job_id=job_id, walltime=walltime, notes=tuple(notes))
 
 
     # ---- taking jobs: what PBS spells differently (the mechanism is hpc_garage.schedulers.submission)
@@ -114,6 +116,10 @@ class Pbs(BatchSystem):
         import time
 
         return str(run_root / f"{job_name}.{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}.out")
+
+    def follow_up_output(self, output: str, run_root: Path, job_name: str) -> str:
+        """PBS logs carry no job id: a default one (in the run root) gets a new name, or the jobs would share it."""
+        return self.default_output(run_root, job_name) if Path(output).parent == run_root else output
 
     def submit_argv(self, script: Path, spec: JobSpec) -> list[str]:
         # -j/-o repeat the script's own directives: Slurm's qsub wrapper overrides them otherwise

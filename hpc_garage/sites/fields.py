@@ -14,7 +14,7 @@ SECTIONS: dict[str, dict[str, Any]] = {
         "fields": [
             {"name": "name", "kind": "str", "required": True, "pattern": "^[A-Za-z0-9][A-Za-z0-9._-]*$"},
             {"name": "description", "kind": "str", "default": ""},
-            {"name": "scheduler", "kind": "choice", "required": True, "choices": ["slurm", "pbs", "local"]},
+            {"name": "scheduler", "kind": "str", "required": True, "pattern": "^[A-Za-z0-9][A-Za-z0-9._-]*$"},
             {"name": "launcher", "kind": "choice", "default": "mpi", "choices": ["mpi", "jobqueue"]},
             {"name": "queue", "kind": "str", "optional": True, "default": None},
             {"name": "account", "kind": "str", "optional": True, "default": None},

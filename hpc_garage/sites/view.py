@@ -173,6 +173,8 @@ def view(data: dict[str, Any], path: Path | None = None) -> SiteView:
     values = _fields("site", raw)
     node, workers, limits = values["node"], values["workers"], values["limits"]
     # Site._consistent's checks: a site failing one goes to pydantic, which words the error
+    if values["scheduler"] not in site_values.BATCH_SYSTEMS:
+        raise _Unsure
     if values["launcher"] != "mpi":
         raise _Unsure  # jobqueue sites: Site._check_jobqueue and _pools_merged's pool checks are pydantic's
     if workers.per == "gpu" and node.gpus == 0 or workers.reserve_memory >= node.memory:

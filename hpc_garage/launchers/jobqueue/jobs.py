@@ -84,18 +84,15 @@ def job_kwargs(shape: JobShape, *, plan_file: str, log_dir: str, job_name: str,
 def _classes(scheduler: str) -> tuple[type, type]:
     """dask-jobqueue's job and cluster classes for this batch system, with the few changes the launcher needs."""
     from hpc_garage.compat import attached_spec_cluster, hooked_job
+    from hpc_garage.schedulers import get
 
+    job_name, cluster_name = get(scheduler).jobqueue_classes()  # refused in one line where it has none
     previous = signal.getsignal(signal.SIGINT)
-    from dask_jobqueue import PBSCluster, SLURMCluster
-    from dask_jobqueue.pbs import PBSJob
-    from dask_jobqueue.slurm import SLURMJob
-
+    base_job, base_cluster = _loaded(job_name), _loaded(cluster_name)
     if threading.current_thread() is threading.main_thread() and previous is not None:
         # dask_jobqueue.runner sets SIGINT to `sys.exit()` when imported (0.9.0): Ctrl-C would then skip
         # `run`'s teardown, leaving worker jobs in the queue. Put back whatever handled it before.
         signal.signal(signal.SIGINT, previous)
-
-    base_cluster, base_job = (SLURMCluster, SLURMJob) if scheduler == "slurm" else (PBSCluster, PBSJob)
 
     class PoolJob(hooked_job(base_job)):  # type: ignore[misc]
         submissions: Submissions | None = None  # set by the launcher: every job id this run was given
@@ -135,6 +132,14 @@ def _classes(scheduler: str) -> tuple[type, type]:
         job_cls = PoolJob
 
     return PoolJob, PoolCluster
+
+
+def _loaded(name: str) -> type:
+    """The class a batch system names as "module:Class" (dask-jobqueue's, which schedulers/ never imports)."""
+    import importlib
+
+    module, _, attr = name.partition(":")
+    return getattr(importlib.import_module(module), attr)
 
 
 class Submissions:

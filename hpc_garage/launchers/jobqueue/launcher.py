@@ -3,10 +3,10 @@
 `hpc-garage run` keeps its one scheduler, in its own process, with TLS: every pool of worker jobs attaches
 to it, through a dask-jobqueue cluster per pool that is pointed at that scheduler instead of starting one
 (`jobs` renders, submits and cancels the jobs). One loop here scales every pool: it observes the scheduler's
-own state (it lives in this process) and asks the batch system about jobs whose workers have not arrived, and
-applies the policy of `scaling`: `pool_targets` per pool, new jobs as work arrives, idle ones cancelled,
-expiring and ended ones replaced, never more than `max_jobs_in_queue`, and a pool whose jobs keep failing
-stopped rather than resubmitted forever (`records` keeps every job's record and what happened to it). Tasks
+own state (it lives in this process) and asks the batch system about jobs whose workers have not arrived
+(`observing`), and applies the policy of `scaling`: `pool_targets` per pool, new jobs as work arrives, idle
+ones cancelled, expiring and ended ones replaced, never more than `max_jobs_in_queue`, and a pool whose jobs
+keep failing stopped rather than resubmitted forever (`records` keeps every job's record and what happened to it). Tasks
 without resource tags get the UNTAGGED marker on the scheduler (a scheduler plugin), so they run only on pools
 that take them, whichever client submitted them.
 Workers are retired by this loop, not by Dask's `--lifetime` (see `scaling`; `retirement` does it): a job
@@ -43,6 +43,7 @@ from hpc_garage.launchers.jobqueue.jobs import (
     worker_job_file,
     worker_job_name,
 )
+from hpc_garage.launchers.jobqueue.observing import observe, poll_batch_system, pool_states
 from hpc_garage.launchers.jobqueue.plan import initial_workers
 from hpc_garage.launchers.jobqueue.records import JobBook
 from hpc_garage.launchers.jobqueue.retirement import (
@@ -55,28 +56,16 @@ from hpc_garage.launchers.jobqueue.retirement import (
     workers_of,
 )
 from hpc_garage.launchers.jobqueue.scaling import (
-    FINISHED,
     RETIRE_GRACE,
     TAKING,
     TO_REPLACE,
-    WATCHED,
     JobRecord,
     JobState,
-    PoolState,
     change,
-    drains,
-    expiring,
-    job_lifetime,
-    left_queue,
     new_job_walltime,
-    pool_loads,
-    pool_state,
     pool_targets,
     stopped_as,
     to_let_go,
-    waited,
-    worker_pools,
-    workers_gone,
 )
 
 if TYPE_CHECKING:
@@ -197,17 +186,18 @@ class JobqueueLauncher(Launcher):
         if self.draining_now or self.scheduler is None or self.scheduler.status.name != "running":
             return
         now = time.monotonic()
-        self._observe(now)
+        observe(self.book, self.clusters, self.scheduler, self.end_time, now)
         await read_clocks(self.book, now)
         if now - self.last_poll >= POLL_EVERY:
             self.last_poll = now
-            await self._poll_batch_system()
+            await poll_batch_system(self.book, self.site.scheduler)
         for rec in [r for r in self.book.jobs.values() if r.state in TO_REPLACE and r.name in
                     self.clusters[r.pool].worker_spec]:
             await self.clusters[rec.pool].scale_down([rec.name])  # gone: out of the cluster's spec, so it is replaced
         await retire_drained(self.scheduler, self.book, now)
         await finish_retired(self.clusters, self.book, now)
-        targets = pool_targets(list(self.shapes.values()), self._pool_states(), self.site.jobqueue.max_jobs_in_queue)
+        targets = pool_targets(list(self.shapes.values()), pool_states(self.book, self.scheduler),
+                               self.site.jobqueue.max_jobs_in_queue)
         for pool, cluster in self.clusters.items():
             live = self.book.live(pool)
             if pool in self.book.stopped_pools or self.draining_now:
@@ -218,88 +208,6 @@ class JobqueueLauncher(Launcher):
             elif more < 0:
                 await self._shrink(pool, cluster, -more, now)
         self.book.write()
-
-    def _observe(self, now: float) -> None:
-        """What the scheduler shows of each job now: its job id, its workers registered or gone."""
-        registered = {ws.name: ws for ws in self.scheduler.workers.values()}
-        for cluster in self.clusters.values():
-            for name in list(cluster.worker_spec):
-                rec = self.book.jobs.get(name)
-                if rec is None or rec.state in FINISHED:
-                    continue
-                job = cluster.workers.get(name)
-                if rec.job_id is None and job is not None and getattr(job, "job_id", None):
-                    rec.job_id, rec.state = str(job.job_id), JobState.PENDING
-                    self.book.event("submitted", rec)
-                present = [registered[n] for n in self.book.worker_names(rec) if n in registered]
-                rec.workers = len(present)
-                if rec.state == JobState.RETIRING:
-                    continue
-                if present and rec.state == JobState.DRAINING:
-                    rec.last_seen = now
-                    continue
-                if present:
-                    self._seen_at_work(rec, present, now)
-                elif workers_gone(rec, now):
-                    self.book.finish(rec, JobState.ENDED, "ended")  # retired (lifetime) or killed: replace it
-
-    def _seen_at_work(self, rec: JobRecord, present: list[Any], now: float) -> None:
-        """A job with workers registered: started (its pool's queue wait), expiring (replaced now, so no gap
-        opens), busy, or at the point where it stops taking tasks before its end."""
-        pool = rec.pool
-        if rec.started is None:
-            rec.started, rec.started_at, rec.state, rec.busy = time.time(), now, JobState.RUNNING, now
-            self.book.event("running", rec)
-            self.book.failed_in_row[pool] = 0
-            self.book.queue_wait[pool] = waited(rec)
-        rec.last_seen = now
-        life = job_lifetime(rec, self.shapes[pool], self.end_time)
-        window = drain_window_of(self.scheduler)
-        if expiring(rec, self.shapes[pool], now, self.book.queue_wait.get(pool, 0.0), window, life):
-            rec.state = JobState.EXPIRING  # its replacement is submitted now, so no gap opens
-            self.book.event("expiring", rec)
-        if any(ws.processing for ws in present):
-            rec.busy = now
-        if drains(rec, self.shapes[pool], now, window, life):
-            drain(self.scheduler, self.book, rec, present, now, "lifetime")
-
-    async def _poll_batch_system(self) -> None:
-        """Ask once for every job whose workers are not (yet) there: a job that left the queue without
-        them failed; record where running jobs run."""
-        from hpc_garage.schedulers import get
-
-        waiting = {r.job_id: r for r in self.book.jobs.values() if r.job_id and r.state in WATCHED}
-        if not waiting:
-            return
-        batch = get(self.site.scheduler)
-        try:
-            statuses = await asyncio.to_thread(batch.statuses, list(waiting))
-        except UserError as exc:
-            logger.warning("asking the batch system failed: %s", exc)
-            return
-        for job_id, rec in waiting.items():
-            status = statuses.get(job_id)
-            if status is not None and status.nodes:
-                rec.nodes = status.nodes
-            if status is not None and status.phase != "finished":
-                continue
-            state = left_queue(rec)
-            if state == JobState.FAILED:
-                self.book.failed(rec)
-            elif state == JobState.ENDED:
-                self.book.finish(rec, state, "ended")
-
-    def _pool_states(self) -> dict[str, PoolState]:
-        """Each pool's jobs and load, read from the scheduler's own state (it lives in this process)."""
-        owner = worker_pools(self.book.jobs.values(), {pool: self.book.per_job(pool) for pool in self.shapes})
-        assigned: dict[str, list[Any]] = {pool: [] for pool in self.shapes}
-        for ws in self.scheduler.workers.values():
-            if (pool := owner.get(ws.name)) is not None:
-                assigned[pool] += [ts.resource_restrictions for ts in ws.processing]
-        unplaced = [ts.resource_restrictions for ts in self.scheduler.unrunnable]
-        unplaced += [None] * len(self.scheduler.queued)
-        loads = pool_loads(list(self.shapes.values()), unplaced, assigned)
-        return {pool: pool_state(self.book.jobs.values(), pool, loads[pool]) for pool in self.shapes}
 
     async def _grow(self, pool: str, cluster: Any, count: int) -> None:
         """Add job specs as SpecCluster.scale does, and submit them now, so a refusal is seen here."""
@@ -330,7 +238,7 @@ class JobqueueLauncher(Launcher):
                     del cluster.worker_spec[name]
                     cluster.workers.pop(name, None)
             self.book.stop_pool(pool, f"submitting a worker job of pool {pool} failed: {_said(exc)}")
-        self._observe(time.monotonic())
+        observe(self.book, self.clusters, self.scheduler, self.end_time, time.monotonic())
 
     async def _shrink(self, pool: str, cluster: Any, surplus: int, now: float) -> None:
         """Cancel jobs not started yet; retire the workers of jobs idle for idle_timeout (their data moves

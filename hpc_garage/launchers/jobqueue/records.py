@@ -96,8 +96,10 @@ class JobBook:
                 f"in {shape.site.queue or 'the default queue'}")
 
     def failure_text(self, rec: JobRecord) -> str:
+        from hpc_garage.schedulers import get
+
         logfile = self.rundir.worker_log(worker_job_name(rec.pool, self.run_id), rec.job_id) if self.rundir else None
-        where = f"; see {logfile}" if logfile and self.site.scheduler == "slurm" else \
+        where = f"; see {logfile}" if logfile and get(self.site.scheduler).names_worker_logs else \
             f"; see its log in {self.rundir.worker_logs}" if self.rundir else ""
         return f"worker job {rec.job_id} ({rec.name}, pool {rec.pool}) ended before its workers registered{where}"
 

@@ -69,7 +69,8 @@ def prepare(
     from hpc_garage.sites import load_site
 
     site = load_site(site_name)
-    if site.scheduler == "local":
+    batch = get(site.scheduler)
+    if not batch.takes_jobs:
         raise UserError(
             f"site {site.name} is local (no batch system); run it here with "
             f"`hpc-garage run --site {site.name} -- python {script}`"
@@ -79,7 +80,6 @@ def prepare(
     if must_exist:
         _check_script(script_path)
     root = run_root(site)
-    batch = get(site.scheduler)
     name = job_name_for(request.job_name, script_path)
     output = _absolute(output, workdir, "--output") if output else batch.default_output(root, name)
     error = _absolute(error, workdir, "--error") if error else None
@@ -190,9 +190,7 @@ def resubmit(previous: Path, *, after: str | None, how: str) -> Submitted:
                         f"{earlier.submit_file.name}); "
                         "submit the script again with `hpc-garage submit --resume`")
     batch = get(record.get("scheduler", "slurm"))
-    output = record["log"]["output"]
-    if batch.name == "pbs" and Path(output).parent == previous.parent:  # PBS logs carry no job id: a new name
-        output = batch.default_output(previous.parent, record["job_name"])
+    output = batch.follow_up_output(record["log"]["output"], previous.parent, record["job_name"])
     record = {**record, "log": {**record["log"], "output": output}, "follows": record["job_id"]}
     for stale in ("job_id", "submitted"):
         record.pop(stale, None)
