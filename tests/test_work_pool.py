@@ -73,9 +73,53 @@ def test_the_job_runs_prefects_engine_for_the_flow_run_with_the_api_exported(tmp
     assert "--sweep sweep-gpu --sweep-epoch 1" in script
     assert f"cd {tmp_path} " in script and "#SBATCH --nodes=2" in script
     assert "#SBATCH --job-name=train-0b8c6a2e5d0f" in script  # the flow run's short id: found again by name
-    assert "export PREFECT_API_AUTH_STRING='u:p w'\"'\"'x'" in script
+    assert "export PREFECT_API_URL=http://127.0.0.1:1/api\n" in script
+    # the auth string is not in the script (the batch system keeps scripts where its staff read them): the
+    # script names the private file the worker writes it to, and `run` reads it (test_secrets_... below)
+    assert "u:p" not in script and "PREFECT_API_AUTH_STRING" not in script
+    secrets = prepared.root / "prefect-flow-runs" / f"{FLOW_RUN}.secrets.json"
+    assert f"export HPC_GARAGE_SECRETS={secrets}\n" in script
     assert "UNSET" not in script
     assert prepared.spec.command[-3:] == ["-m", "prefect.engine", FLOW_RUN]
+
+
+def test_the_flow_runs_secrets_reach_its_job_through_a_private_file_and_no_script(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The auth string goes to a 0600 file written before sbatch; sbatch sees a script without it and an
+    environment without it (Slurm keeps both); the job's `run` reads the file into its environment, and a
+    follow-up job's sbatch (from inside the job) hands on the file's name, not its values."""
+    from hpc_garage.schedulers import flow_run_jobs, get
+    from hpc_garage.schedulers.flow_run_jobs import prepare_flow_run, take
+    from hpc_garage.schedulers.submission.submitting import _environ
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("PREFECT_API_AUTH_STRING", "u:p w'x")  # the worker's own: sbatch would pass it on
+    job = _job(tmp_path, nodes=1)
+    prepared = prepare_flow_run(job)
+    secrets = flow_run_jobs.secrets_file(prepared.root, FLOW_RUN)
+    seen: dict[str, Any] = {}
+
+    def sbatch(self: Any, argv: list[str], *, env: dict[str, str] | None = None, **kw: Any) -> str:
+        seen.update(script=Path(argv[-1]).read_text(), env=env, secrets=json.loads(secrets.read_text()),
+                    mode=secrets.stat().st_mode & 0o777)
+        return "77\n"
+
+    monkeypatch.setattr(type(get("slurm")), "run", sbatch)
+    taken = take(job, prepared)
+    assert taken.job_id == "77" and seen["secrets"] == {"PREFECT_API_AUTH_STRING": "u:p w'x"} and seen["mode"] == 0o600
+    assert "u:p" not in seen["script"] and f"export HPC_GARAGE_SECRETS={secrets}\n" in seen["script"]
+    assert seen["env"] is not None and "PREFECT_API_AUTH_STRING" not in seen["env"]
+    assert seen["env"]["HOME"] == str(tmp_path)  # the rest of the environment as sbatch passes it on
+    from hpc_garage.rundir import RunDir
+
+    assert "u:p" not in RunDir.for_job(prepared.root, "77").script_file.read_text()
+    # inside the job: `run` reads the file (tests/test_cli.py), and its follow-up's sbatch gets no secret
+    monkeypatch.setenv("HPC_GARAGE_SECRETS", str(secrets))
+    followed = _environ(())
+    assert followed is not None and "PREFECT_API_AUTH_STRING" not in followed
+    assert followed["HPC_GARAGE_SECRETS"] == str(secrets)
+    monkeypatch.delenv("HPC_GARAGE_SECRETS")
+    assert _environ(()) is None  # `hpc-garage submit`: sbatch gets this environment as it is
 
 
 def test_a_bad_value_is_refused_before_anything_is_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
