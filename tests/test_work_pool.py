@@ -530,3 +530,68 @@ def test_a_worker_that_loses_its_own_api_keeps_its_job_and_catches_up(tmp_path: 
             garage.worker.kill()
         server.kill()
 
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_no_script_holds_the_apis_auth_string_and_the_jobs_still_reach_the_api(garage: Garage, tmp_path: Path) -> None:
+    """With the managed server's auth string set: a deployment run, a `submit` and a `submit` on a jobqueue site
+    (driver and worker jobs). Slurm's stored copy of each batch script (`scontrol write batch_script`, what
+    its staff and accounting read), each job.sh, each temporary submit script caught while it lives, and every
+    other file of the run root but the private ones hold no part of the secret; every flow still reports to
+    the API (the deployment run is Completed by its job's engine, which had the secret from its 0600 file)."""
+    import threading
+
+    from tests.test_jobqueue_slurm import worker_jobs
+
+    secret = garage.auth.split(":", 1)[1]
+    assert len(secret) >= 16
+    runs = garage.home / ".hpc-garage" / "runs"
+    caught: dict[str, str] = {}
+    stop = threading.Event()
+
+    def catch() -> None:  # the temporary scripts handed to sbatch live for a moment only
+        while not stop.is_set():
+            for temp in runs.glob(".submit-*.sh"):
+                try:
+                    caught[temp.name] = temp.read_text()
+                except OSError:
+                    pass
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=catch, daemon=True)
+    watcher.start()
+    try:
+        flow_run_id = garage.run({"seeds": 1, "lrs": [0.1], "duration": 0.3, "out": "/dev/null"},
+                                 {"nodes": 1, "gpus_per_node": 1})
+        submitted = [subprocess.run([PY, "-m", "hpc_garage", "submit", "--site", site, "--wait",
+                                     str(ROOT / "examples" / "sweep.py"), "--gpu", "yes", "--seeds", "1", "--lrs", "0.1",
+                                     "--duration", "0.3", "--out", str(tmp_path / f"{site}.json")],
+                                    capture_output=True, text=True, env=garage.env, cwd=tmp_path, timeout=420)
+                     for site in ("lab-gpu", "lab-jobqueue")]
+        run = garage.wait(flow_run_id, lambda r: r["state_type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"),
+                          600, "a final state")
+    finally:
+        stop.set()
+        watcher.join()
+    assert run["state_type"] == "COMPLETED", run["state"]
+    jobs = [record["job_id"] for record in garage.records(flow_run_id)]
+    for done in submitted:
+        assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+        jobs.append(re.search(r"submitted job (\S+)", done.stdout).group(1))  # type: ignore[union-attr]
+    workers = [j["job_id"] for j in worker_jobs(runs / jobs[-1])["jobs"]]
+    assert workers and len(jobs) == 3
+    for job in jobs + workers:
+        stored = subprocess.run(["scontrol", "write", "batch_script", job, "-"], capture_output=True, text=True,
+                                timeout=30)
+        assert stored.returncode == 0 and "#!" in stored.stdout, (job, stored.stderr)
+        assert secret not in stored.stdout, f"job {job}'s batch script holds the auth string"
+        if job in jobs:  # the script sbatch got is the job.sh hpc-garage keeps
+            assert stored.stdout == (runs / job / "job.sh").read_text()
+    assert "HPC_GARAGE_SECRETS=" in (runs / jobs[0] / "job.sh").read_text()
+    assert all(secret not in text for text in caught.values()), sorted(caught)
+    public = [p for p in garage.home.rglob("*") if p.is_file() and p.stat().st_mode & 0o077]
+    assert not [p for p in public if secret in p.read_text(errors="replace")]
+    secrets = runs / "prefect-flow-runs" / f"{flow_run_id}.secrets.json"
+    assert oct(secrets.stat().st_mode & 0o777) == "0o600"
+    assert json.loads(secrets.read_text())["PREFECT_API_AUTH_STRING"] == garage.auth
