@@ -8,7 +8,7 @@ in the real output, in order (other lines may come between, as in an abridged tr
 - `…` stands for any text (the page left it out);
 - a number is compared exactly (a result, a count, a size), except where it differs from run to run: a
   duration (a number with a unit of time: `7.9 s`, `16s`, `2 min`; a clock `00:20:00`), an id (`job 39`,
-  `pid 812`, `runs/39`, a worker `39-n0-gpu0`, a UUID), a port (`127.0.0.1:35133`) and a date
+  `pid 812`, `runs/39`, a worker `39-n0-gpu0`, a UUID, a hex key like `c8db380d` or a sweep's `-acacab5d07`), a port (`127.0.0.1:35133`) and a date
   (`2026-11-27`, `20261127-213931`): each of those matches any value of its kind;
 - `~` at the start of a path matches the home directory's path.
 
@@ -33,6 +33,7 @@ _VARYING = (
     ("ellipsis", "…", ".*?"),
     ("home", r"^~/|(?<=[\s(])~/", None),
     ("uuid", _UUID, _UUID),
+    ("hex", r"(?<![0-9A-Za-z])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{8,32}(?![0-9A-Za-z])", f"{_HEX}{{8,32}}"),
     ("date", r"\d{4}-\d\d-\d\d(?:[T ]\d\d:\d\d(?::\d\d(?:\.\d+)?)?)?|\b\d{8}-\d{6}\b",
      r"(?:\d{4}-\d\d-\d\d(?:[T ]\d\d:\d\d(?::\d\d(?:\.\d+)?)?)?|\d{8}-\d{6})"),
     ("clock", r"\b(?:\d+-)?\d{1,2}:\d\d:\d\d(?:\.\d+)?", r"(?:\d+-)?\d+:\d\d:\d\d(?:\.\d+)?"),

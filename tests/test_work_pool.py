@@ -470,70 +470,6 @@ def test_the_pools_concurrency_limit_holds_while_jobs_queue_and_run(garage: Gara
 
 @pytest.mark.slurm
 @pytest.mark.slow
-def test_run_once_submits_and_exits_and_a_later_call_settles_the_job(garage: Garage) -> None:
-    """For sites that end long login-node processes: `hpc-garage worker --run-once` from cron or scrontab."""
-    garage.worker.send_signal(signal.SIGINT)  # no long-running worker from here on
-    garage.worker.wait(60)
-    once = [PY, "-m", "hpc_garage", "worker", "--pool", POOL, "--run-once"]
-    flow_run_id = garage.run({"seeds": 1, "lrs": [0.1], "duration": 60, "out": "/dev/null"},
-                             {"nodes": 1, "gpus_per_node": 1})
-    done = subprocess.run(once, env=garage.env, capture_output=True, text=True, timeout=180)
-    assert done.returncode == 0 and "submitted job" in done.stdout + done.stderr, done.stdout + done.stderr
-    (record,) = garage.records(flow_run_id)
-    assert _queued(record["job_id"]) and garage.flow_run(flow_run_id)["infrastructure_pid"] == record["job_id"]
-    subprocess.run(["scancel", record["job_id"]], check=True)
-    deadline = time.monotonic() + 60
-    while _queued(record["job_id"]) and time.monotonic() < deadline:
-        time.sleep(1)
-    again = subprocess.run(once, env=garage.env, capture_output=True, text=True, timeout=180)
-    assert again.returncode == 0, again.stdout + again.stderr
-    run = garage.flow_run(flow_run_id)
-    assert run["state_type"] == "CRASHED" and run["state"]["message"].startswith(f"job {record['job_id']} ended")
-    assert len(garage.records(flow_run_id)) == 1
-
-
-@pytest.mark.slurm
-@pytest.mark.slow
-def test_a_worker_that_loses_its_own_api_keeps_its_job_and_catches_up(tmp_path: Path) -> None:
-    """The user's own Prefect server (PREFECT_API_URL): it dies while the flow run's job waits in the queue
-    (`--begin=now+60`) and comes back on the same address; the worker, alive throughout, follows the job to
-    the flow run's end, and submitted it once."""
-    from tests.test_prefect_faults import Server
-
-    server = Server(tmp_path / "prefect-home")
-    env = outside_job_env(("PREFECT",))
-    env |= {"HOME": str(tmp_path), "PREFECT_API_URL": server.url, "PREFECT_WORKER_QUERY_SECONDS": "2"}
-    garage = Garage(tmp_path, env, server.url, "", tmp_path / "worker.log")
-    try:
-        garage.start_worker()
-        deadline = time.monotonic() + 180
-        while "started!" not in (garage.log.read_text() if garage.log.exists() else ""):
-            assert garage.worker.poll() is None and time.monotonic() < deadline, garage.log.read_text()[-3000:]
-            time.sleep(0.5)
-        deploy = ("from prefect import flow; "
-                  f"flow.from_source(source={str(ROOT / 'examples')!r}, entrypoint='sweep.py:sweep').deploy("
-                  f"name='gpu', work_pool_name={POOL!r}, parameters={{'gpu': 'yes', 'duration': 0.3}})")
-        done = subprocess.run([PY, "-c", deploy], env=env, capture_output=True, text=True, timeout=180)
-        assert done.returncode == 0, done.stderr[-3000:]
-        flow_run_id = garage.run({"seeds": 1, "lrs": [0.1], "out": "/dev/null"},
-                                 {"nodes": 1, "gpus_per_node": 1, "scheduler_options": ["--begin=now+60"]})
-        job = garage.wait(flow_run_id, lambda r: r["infrastructure_pid"], 120, "a job")["infrastructure_pid"]
-        server.kill()
-        time.sleep(20)  # the worker's calls fail; the job waits for its start time
-        assert garage.worker.poll() is None, garage.log.read_text()[-3000:]
-        server.start()
-        run = garage.wait(flow_run_id, lambda r: r["state_type"] in ("COMPLETED", "FAILED", "CRASHED"), 400, "final")
-        assert run["state_type"] == "COMPLETED", run["state"]
-        assert [r["job_id"] for r in garage.records(flow_run_id)] == [job]
-    finally:
-        if garage.worker is not None and garage.worker.poll() is None:
-            garage.worker.kill()
-        server.kill()
-
-
-
-@pytest.mark.slurm
-@pytest.mark.slow
 def test_no_script_holds_the_apis_auth_string_and_the_jobs_still_reach_the_api(garage: Garage, tmp_path: Path) -> None:
     """With the managed server's auth string set: a deployment run, a `submit` and a `submit` on a jobqueue site
     (driver and worker jobs). Slurm's stored copy of each batch script (`scontrol write batch_script`, what
@@ -595,3 +531,135 @@ def test_no_script_holds_the_apis_auth_string_and_the_jobs_still_reach_the_api(g
     secrets = runs / "prefect-flow-runs" / f"{flow_run_id}.secrets.json"
     assert oct(secrets.stat().st_mode & 0o777) == "0o600"
     assert json.loads(secrets.read_text())["PREFECT_API_AUTH_STRING"] == garage.auth
+
+
+def _deploy(garage: Garage, name: str, **options: Any) -> str:
+    """Another deployment of examples/sweep.py on the pool (one GPU, a short sweep), with Prefect's own
+    deploy() options; its id."""
+    deploy = ("from prefect import flow; "
+              f"flow.from_source(source={str(ROOT / 'examples')!r}, entrypoint='sweep.py:sweep').deploy("
+              f"name={name!r}, work_pool_name={POOL!r}, job_variables={{'nodes': 1, 'gpus_per_node': 1}}, "
+              "parameters={'gpu': 'yes', 'seeds': 1, 'lrs': [0.1], 'duration': 3, 'out': '/dev/null'}, "
+              + ", ".join(f"{k}={v}" for k, v in options.items()) + ")")
+    done = subprocess.run([PY, "-c", deploy], env=garage.env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return garage.call("GET", f"/deployments/name/sweep/{name}")["id"]
+
+
+def _ended_at(garage: Garage, flow_run_id: str) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(garage.flow_run(flow_run_id)["end_time"].replace("Z", "+00:00")).timestamp()
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_a_deployments_concurrency_limit_keeps_its_second_run_waiting_until_the_first_ends(garage: Garage) -> None:
+    """`concurrency_limit=1` on the deployment (Prefect's own): of two runs made at once, the second waits
+    (AwaitingConcurrencySlot) and its job is submitted only once the first flow run has ended."""
+    deployment = _deploy(garage, "limited", concurrency_limit=1)
+    try:
+        first, second = (garage.call("POST", f"/deployments/{deployment}/create_flow_run", {})["id"]
+                         for _ in range(2))
+        done = [garage.wait(r, lambda r: r["state_type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"), 600,
+                            "a final state") for r in (first, second)]
+        assert [d["state_type"] for d in done] == ["COMPLETED", "COMPLETED"], [d["state"] for d in done]
+        (job1,), (job2,) = garage.records(first), garage.records(second)
+        early, late = sorted(((job1, first), (job2, second)), key=lambda j: j[0]["submitted"])
+        assert late[0]["submitted"] >= _ended_at(garage, early[1]) - 1, "the second job was submitted while the first ran"
+        history = garage.call("GET", f"/flow_run_states/?flow_run_id={late[1]}")
+        assert "AwaitingConcurrencySlot" in [h["name"] for h in history], [(h["type"], h["name"]) for h in history]
+    finally:
+        garage.call("DELETE", f"/deployments/{deployment}")
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_an_interval_schedule_fires_and_its_runs_become_jobs_that_complete(garage: Garage) -> None:
+    """A 1-minute interval schedule: Prefect's scheduler (in hpc-garage's server, which the schedule and the
+    worker hold: the same server throughout) makes its runs; the worker submits each as a job; two complete."""
+    status = [PY, "-m", "hpc_garage", "server", "status"]
+    before = json.loads(subprocess.run(status, env=garage.env, capture_output=True, text=True, timeout=60).stdout)
+    deployment = _deploy(garage, "every-minute", interval=60)
+    try:
+        deadline = time.monotonic() + 420
+        while True:
+            runs = garage.call("POST", "/flow_runs/filter", {"deployments": {"id": {"any_": [deployment]}}})
+            completed = [r for r in runs if r["state_type"] == "COMPLETED"]
+            if len(completed) >= 2:
+                break
+            assert time.monotonic() < deadline, [(r["state_type"], r["expected_start_time"]) for r in runs]
+            assert not [r for r in runs if r["state_type"] in ("FAILED", "CRASHED")], [r["state"] for r in runs]
+            time.sleep(5)
+        starts = sorted(r["expected_start_time"] for r in completed)
+        assert len(set(starts)) == len(starts) and all(r["auto_scheduled"] for r in completed)
+        for run in completed:
+            (record,) = garage.records(run["id"])  # one job each, as a Run-button run gets
+            assert run["infrastructure_pid"] == record["job_id"]
+    finally:
+        garage.call("DELETE", f"/deployments/{deployment}")
+    after = json.loads(subprocess.run(status, env=garage.env, capture_output=True, text=True, timeout=60).stdout)
+    assert after["pid"] == before["pid"] and after["url"] == before["url"], (before, after)
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_run_once_submits_and_exits_and_a_later_call_settles_the_job(garage: Garage) -> None:
+    """For sites that end long login-node processes: `hpc-garage worker --run-once` from cron or scrontab."""
+    garage.worker.send_signal(signal.SIGINT)  # no long-running worker from here on
+    garage.worker.wait(60)
+    once = [PY, "-m", "hpc_garage", "worker", "--pool", POOL, "--run-once"]
+    flow_run_id = garage.run({"seeds": 1, "lrs": [0.1], "duration": 60, "out": "/dev/null"},
+                             {"nodes": 1, "gpus_per_node": 1})
+    done = subprocess.run(once, env=garage.env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0 and "submitted job" in done.stdout + done.stderr, done.stdout + done.stderr
+    (record,) = garage.records(flow_run_id)
+    assert _queued(record["job_id"]) and garage.flow_run(flow_run_id)["infrastructure_pid"] == record["job_id"]
+    subprocess.run(["scancel", record["job_id"]], check=True)
+    deadline = time.monotonic() + 60
+    while _queued(record["job_id"]) and time.monotonic() < deadline:
+        time.sleep(1)
+    again = subprocess.run(once, env=garage.env, capture_output=True, text=True, timeout=180)
+    assert again.returncode == 0, again.stdout + again.stderr
+    run = garage.flow_run(flow_run_id)
+    assert run["state_type"] == "CRASHED" and run["state"]["message"].startswith(f"job {record['job_id']} ended")
+    assert len(garage.records(flow_run_id)) == 1
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_a_worker_that_loses_its_own_api_keeps_its_job_and_catches_up(tmp_path: Path) -> None:
+    """The user's own Prefect server (PREFECT_API_URL): it dies while the flow run's job waits in the queue
+    (`--begin=now+60`) and comes back on the same address; the worker, alive throughout, follows the job to
+    the flow run's end, and submitted it once."""
+    from tests.test_prefect_faults import Server
+
+    server = Server(tmp_path / "prefect-home")
+    env = outside_job_env(("PREFECT",))
+    env |= {"HOME": str(tmp_path), "PREFECT_API_URL": server.url, "PREFECT_WORKER_QUERY_SECONDS": "2"}
+    garage = Garage(tmp_path, env, server.url, "", tmp_path / "worker.log")
+    try:
+        garage.start_worker()
+        deadline = time.monotonic() + 180
+        while "started!" not in (garage.log.read_text() if garage.log.exists() else ""):
+            assert garage.worker.poll() is None and time.monotonic() < deadline, garage.log.read_text()[-3000:]
+            time.sleep(0.5)
+        deploy = ("from prefect import flow; "
+                  f"flow.from_source(source={str(ROOT / 'examples')!r}, entrypoint='sweep.py:sweep').deploy("
+                  f"name='gpu', work_pool_name={POOL!r}, parameters={{'gpu': 'yes', 'duration': 0.3}})")
+        done = subprocess.run([PY, "-c", deploy], env=env, capture_output=True, text=True, timeout=180)
+        assert done.returncode == 0, done.stderr[-3000:]
+        flow_run_id = garage.run({"seeds": 1, "lrs": [0.1], "out": "/dev/null"},
+                                 {"nodes": 1, "gpus_per_node": 1, "scheduler_options": ["--begin=now+60"]})
+        job = garage.wait(flow_run_id, lambda r: r["infrastructure_pid"], 120, "a job")["infrastructure_pid"]
+        server.kill()
+        time.sleep(20)  # the worker's calls fail; the job waits for its start time
+        assert garage.worker.poll() is None, garage.log.read_text()[-3000:]
+        server.start()
+        run = garage.wait(flow_run_id, lambda r: r["state_type"] in ("COMPLETED", "FAILED", "CRASHED"), 400, "final")
+        assert run["state_type"] == "COMPLETED", run["state"]
+        assert [r["job_id"] for r in garage.records(flow_run_id)] == [job]
+    finally:
+        if garage.worker is not None and garage.worker.poll() is None:
+            garage.worker.kill()
+        server.kill()
