@@ -148,13 +148,14 @@ HOW_TOS = ("long-sweeps", "deployments", "doctor", "early-stopping")
 @pytest.mark.parametrize("page", HOW_TOS)
 def test_the_how_to_transcripts_print_what_they_show(page: str, tmp_path: Path) -> None:
     """Each how-to's tested transcripts, in a directory holding the files they name: the examples, the test
-    sweeps, and `lab-gpu-long.yaml` (the local SLURM's lab-gpu with `requeue: auto`, `walltime_margin: 15s`)."""
+    sweeps, and `lab-gpu-long.yaml` (the local SLURM's lab-gpu with `requeue: auto`, `walltime_margin: 15s`,
+    `checkpoint_grace: 5s`, as long-sweeps.md says)."""
     work = tmp_path / "work"
     work.mkdir()
     for source in ("examples/sweep.py", "examples/pruned_sweep.py", "tests/data/fault_sweep.py"):
         shutil.copy(ROOT / source, work / Path(source).name)
     (work / "lab-gpu-long.yaml").write_text((ROOT / "site-configs" / "lab-gpu.yaml").read_text()
-                                            + "requeue: auto\nwalltime_margin: 15s\n")
+                                            + "requeue: auto\nwalltime_margin: 15s\ncheckpoint_grace: 5s\n")
     env = dict(os.environ)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     if page == "deployments":  # the page's deploy.py, on hpc-garage's server (the page says so)
