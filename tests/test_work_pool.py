@@ -72,7 +72,13 @@ def test_the_job_runs_prefects_engine_for_the_flow_run_with_the_api_exported(tmp
     assert f'-- "$PY" -m prefect.engine {FLOW_RUN}\n' in script
     assert "--sweep sweep-gpu --sweep-epoch 1" in script
     assert f"cd {tmp_path} " in script and "#SBATCH --nodes=2" in script
-    assert "#SBATCH --job-name=train-0b8c6a2e5d0f" in script  # the flow run's short id: found again by name
+    assert "#SBATCH --job-name=train-7f2d1e4c9b10" in script  # the flow run's short id: found again by name
+    # the random end of its id: a schedule's runs made at once have UUIDv7 ids whose first 12 digits agree
+    from hpc_garage.schedulers.flow_run_jobs import FlowRunJob
+
+    made_at_once = [FlowRunJob(i, "", {}, {}, "", "").key for i in ("01a21f0f-e886-7b58-b1bd-b16dc3bdc6e9",
+                                                                      "01a21f0f-e886-7d44-bf70-7795d1e0afc4")]
+    assert made_at_once == ["b16dc3bdc6e9", "bf707795d1e0afc4"[-12:]] and len(set(made_at_once)) == 2
     assert "export PREFECT_API_URL=http://127.0.0.1:1/api\n" in script
     # the auth string is not in the script (the batch system keeps scripts where its staff read them): the
     # script names the private file the worker writes it to, and `run` reads it (test_secrets_... below)
@@ -254,7 +260,7 @@ class Garage:
 
     def records(self, flow_run_id: str) -> list[dict[str, Any]]:
         """Every job hpc-garage submitted for this flow run (its submit.json), however many workers tried."""
-        key = flow_run_id.replace("-", "")[:12]
+        key = flow_run_id.replace("-", "")[-12:]
         runs = self.home / ".hpc-garage" / "runs"
         found = [json.loads(p.read_text()) for p in runs.glob("*/submit.json")]
         return [r for r in found if r["job_name"].endswith(key)]

@@ -67,8 +67,10 @@ class FlowRunJob:
 
     @property
     def key(self) -> str:
-        """The short id in the job's name: what finds a job whose id its dead submitter never noted."""
-        return self.flow_run_id.replace("-", "")[:12]
+        """The short id in the job's name: what finds a job whose id its dead submitter never noted. The id's
+        last 12 hex digits: random in a UUIDv4 and a UUIDv7 alike, where the first 12 are a UUIDv7's
+        millisecond clock, the same for the runs a schedule makes at once (two jobs of one name)."""
+        return self.flow_run_id.replace("-", "")[-12:]
 
 
 @dataclass(frozen=True)
