@@ -48,6 +48,28 @@ def read_json(path: Path, *, broken: str | None = None) -> dict[str, Any] | None
     return data if isinstance(data, dict) else None
 
 
+def read_secrets(path: str, source: str) -> dict[str, str]:
+    """Environment variables kept out of every job script (an API's auth string): a JSON object of names to
+    values in a private file of this user's. Anything else is refused in one line naming `source` (the
+    variable that named the file): a secret others may read is no longer one, and a job without its API's
+    credentials would only fail later, less clearly."""
+    where = f"{source}={path}"
+    try:
+        info = os.stat(path)
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise UserError(f"{where}: no such file; the process that submitted this job writes it before submitting "
+                        "(a deployment's worker); run the flow run again") from None
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{where} cannot be read ({exc}); run the flow run again") from None
+    if info.st_uid != os.geteuid() or info.st_mode & 0o077:
+        raise UserError(f"{where}: mode {info.st_mode & 0o777:o}, owner uid {info.st_uid}: a file of secrets must "
+                        f"be yours and private; `chmod 600 {path}`")
+    if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in data.items()):
+        raise UserError(f"{where} is not a JSON object of variable names and values; run the flow run again")
+    return data
+
+
 def append_private(path: Path, lines: list[str]) -> None:
     """Append whole lines to a file readable by its owner only (created so); one write, so lines that several
     processes append do not interleave."""

@@ -6,7 +6,10 @@ page, and the lines after it, up to the next `$ `, are what the page says it pri
 in the real output, in order (other lines may come between, as in an abridged transcript), where:
 
 - `…` stands for any text (the page left it out);
-- every number matches any number (job ids, seconds and ports differ from run to run);
+- a number is compared exactly (a result, a count, a size), except where it differs from run to run: a
+  duration (a number with a unit of time: `7.9 s`, `16s`, `2 min`; a clock `00:20:00`), an id (`job 39`,
+  `pid 812`, `runs/39`, a worker `39-n0-gpu0`, a UUID, a hex key like `c8db380d` or a sweep's `-acacab5d07`), a port (`127.0.0.1:35133`) and a date
+  (`2026-11-27`, `20261127-213931`): each of those matches any value of its kind;
 - `~` at the start of a path matches the home directory's path.
 
 A job id the page shows (`submitted job 39`) is mapped to the one the run got, and later commands that name it
@@ -22,7 +25,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 MARK = re.compile(r"^<!-- test(?::\s*(?P<needs>[a-z, ]+))? -->\s*$")
-NUMBER = re.compile(r"\d+(?:\.\d+)?")
+NUMBER = r"\d+(?:\.\d+)?"
+_HEX = "[0-9a-f]"
+_UUID = f"{_HEX}{{8}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{12}}"
+# what a shown line may vary in, each with the pattern that matches any value of it; every other number is exact
+_VARYING = (
+    ("ellipsis", "…", ".*?"),
+    ("home", r"^~/|(?<=[\s(])~/", None),
+    ("uuid", _UUID, _UUID),
+    ("hex", r"(?<![0-9A-Za-z])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{8,32}(?![0-9A-Za-z])", f"{_HEX}{{8,32}}"),
+    ("date", r"\d{4}-\d\d-\d\d(?:[T ]\d\d:\d\d(?::\d\d(?:\.\d+)?)?)?|\b\d{8}-\d{6}\b",
+     r"(?:\d{4}-\d\d-\d\d(?:[T ]\d\d:\d\d(?::\d\d(?:\.\d+)?)?)?|\d{8}-\d{6})"),
+    ("clock", r"\b(?:\d+-)?\d{1,2}:\d\d:\d\d(?:\.\d+)?", r"(?:\d+-)?\d+:\d\d:\d\d(?:\.\d+)?"),
+    ("port", r"(?<=[\w\]]):\d{2,5}\b", r":\d+"),
+    ("id", r"(?<=\bjob )\d+|(?<=\bjobs )\d+|(?<=\bpid )\d+|(?<=runs/)\d+|\b\d+(?=-n\d)", r"\d+"),
+    ("duration", NUMBER + r"(?=\s?(?:µs|ms|s|sec|seconds?|min|minutes?|h|hours?)\b)", NUMBER),
+)
+_TOKENS = re.compile("|".join(f"(?P<{name}>{regex})" for name, regex, _ in _VARYING))
 JOB_WORDS = re.compile(r"\bjobs? (\d+)")
 JOB_ARGS = re.compile(r"\b(status|report|logs|cancel|resume|replay) (\d+)\b")
 
@@ -67,12 +86,13 @@ def blocks(page: Path) -> list[Block]:
 
 
 def pattern(shown: str) -> re.Pattern[str]:
-    """A shown line as a pattern: `…` any text, any number for a number, `~/` the home directory."""
+    """A shown line as a pattern: `…` any text, `~/` the home directory, a duration, id, port or date any
+    value of its kind, every other character (numbers too) itself."""
     out, last = [], 0
-    for m in re.finditer(r"…|\d+(?:\.\d+)?|^~/|(?<=[\s(])~/", shown):
+    for m in _TOKENS.finditer(shown):
         out.append(re.escape(shown[last:m.start()]))
-        token = m.group()
-        out.append(".*?" if token == "…" else r"\d+(?:\.\d+)?" if token[0].isdigit() else re.escape(str(Path.home())) + "/")
+        kind = m.lastgroup
+        out.append(re.escape(str(Path.home())) + "/" if kind == "home" else dict((n, r) for n, _, r in _VARYING)[kind])
         last = m.end()
     out.append(re.escape(shown[last:]))
     return re.compile("".join(out))

@@ -122,3 +122,29 @@ def test_big_show_json_is_compact_and_the_same_object(tmp_path: Path) -> None:
     data = json.loads(big.stdout)
     assert len(data["workers"]) == 1600 and data["workers"][-1]["name"] == "n199-gpu7"
     assert data["workers"][:16] == json.loads(small.stdout)["workers"]
+
+
+def test_run_refuses_a_file_of_secrets_that_is_missing_or_readable_by_others_in_one_line(tmp_path: Path) -> None:
+    """A deployment's job names its API's secrets by $HPC_GARAGE_SECRETS (schedulers/flow_run_jobs.py)."""
+    secrets = tmp_path / "s.json"
+    for prepare, words in ((lambda: None, "no such file"),
+                           (lambda: (secrets.write_text('{"X_TOKEN": "s3cret"}'), secrets.chmod(0o644)),
+                            f"mode 644, owner uid {os.geteuid()}: a file of secrets must be yours and private; "
+                            f"`chmod 600 {secrets}`"),
+                           (lambda: (secrets.write_text('["x"]'), secrets.chmod(0o600)), "is not a JSON object")):
+        prepare()
+        done = hpcg("run", "--site", "local", "--", "true", env=clean_env(HOME=str(tmp_path),
+                                                                          HPC_GARAGE_SECRETS=str(secrets)))
+        assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+        assert done.stderr.startswith(f"hpc-garage: error: HPC_GARAGE_SECRETS={secrets}") and words in done.stderr
+
+
+@pytest.mark.slow
+def test_run_hands_command_the_secrets_of_its_file(tmp_path: Path) -> None:
+    secrets = tmp_path / "s.json"
+    secrets.write_text('{"X_TOKEN": "s3cret"}')
+    secrets.chmod(0o600)
+    done = hpcg("run", "--site", "local", "--", sys.executable, "-c", "import os; print('got', os.environ['X_TOKEN'])",
+                env=clean_env(HOME=str(tmp_path), HPC_GARAGE_SECRETS=str(secrets),
+                              PREFECT_API_URL="http://127.0.0.1:9/api"), cwd=tmp_path)
+    assert done.returncode == 0 and "got s3cret\n" in done.stdout, done.stdout + done.stderr[-2000:]

@@ -91,6 +91,31 @@ def test_shown_output_matches_with_numbers_and_ellipses_free(tmp_path: Path) -> 
     assert not ok and missing == "submitted job 39"  # order counts
 
 
+def test_results_and_counts_are_compared_exactly_and_only_durations_ids_ports_and_dates_vary() -> None:
+    line = "sweep: 4 experiments on 2 workers, result 0.33 (expected 0.33), first task 15.6 s after start"
+    assert pattern(line).search(line.replace("15.6 s", "3 s"))
+    for wrong in ("result 0.34 (expected 0.33)", "result 0.33 (expected 0.34)", "result 0.330 (expected 0.33)"):
+        assert not pattern(line).search(line.replace("result 0.33 (expected 0.33)", wrong)), wrong
+    assert not pattern(line).search(line.replace("4 experiments on 2", "4 experiments on 3"))
+    assert not pattern("5 trials (5 done, 0 failed)").search("5 trials (4 done, 1 failed)")
+    varying = {  # shown -> another run's line
+        "registered in 7.9 s; scheduler tls://127.0.0.1:35133": "registered in 12 s; scheduler tls://127.0.0.1:4001",
+        "job 2 running: 8 running; 16s": "job 731 running: 8 running; 3s",
+        "log: ~/.hpc-garage/runs/2.out": f"log: {Path.home()}/.hpc-garage/runs/731.out",
+        "least busy GPU 0 of 2-n0-gpu0": "least busy GPU 0 of 731-n0-gpu0",
+        "held by pid 812": "held by pid 77",
+        "walltime 00:20:00, started 2026-11-27 21:30:05": "walltime 01:00:00, started 2027-01-02 08:01:59",
+        "run local-20261127-213931-19549": "run local-20261128-000102-19549",
+        "flow-run/0b8c6a2e-5d0f-4c3e-9a51-7f2d1e4c9b10": "flow-run/1c8c6a2e-5d0f-4c3e-9a51-7f2d1e4c9b11",
+        "best loss 0.1052 (trial train-c8db380d step 10)": "best loss 0.1052 (trial train-9f0e1d2c step 10)",
+    }
+    for shown, other in varying.items():
+        assert pattern(shown).search(other), shown
+    assert not pattern("GPUs 8/8 busy").search("GPUs 7/8 busy")
+    assert not pattern("best loss 0.1052 (trial train-c8db380d step 10)").search("best loss 0.1052 (trial train-c8db380d step 9)")
+    assert not pattern("on 2 workers").search("on 2 nodes")  # the words around a varying value still count
+
+
 def test_a_page_whose_output_drifted_fails(tmp_path: Path) -> None:
     page = tmp_path / "page.md"
     page.write_text("<!-- test -->\n```console\n$ echo submitted job 12\nsubmitted job 39\n"
@@ -112,6 +137,35 @@ def test_the_tutorial_prints_what_it_shows(tmp_path: Path) -> None:
     env = dict(os.environ)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     failures = run_page(DOCS / "tutorial" / "index.md", work, env, needs={"slurm"})
+    assert not failures, "\n\n".join(failures)
+
+
+HOW_TOS = ("long-sweeps", "deployments", "doctor", "early-stopping")
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@pytest.mark.parametrize("page", HOW_TOS)
+def test_the_how_to_transcripts_print_what_they_show(page: str, tmp_path: Path) -> None:
+    """Each how-to's tested transcripts, in a directory holding the files they name: the examples, the test
+    sweeps, and `lab-gpu-long.yaml` (the local SLURM's lab-gpu with `requeue: auto`, `walltime_margin: 15s`,
+    `checkpoint_grace: 5s`, as long-sweeps.md says)."""
+    work = tmp_path / "work"
+    work.mkdir()
+    for source in ("examples/sweep.py", "examples/pruned_sweep.py", "tests/data/fault_sweep.py"):
+        shutil.copy(ROOT / source, work / Path(source).name)
+    (work / "lab-gpu-long.yaml").write_text((ROOT / "site-configs" / "lab-gpu.yaml").read_text()
+                                            + "requeue: auto\nwalltime_margin: 15s\ncheckpoint_grace: 5s\n")
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    if page == "deployments":  # the page's deploy.py, on hpc-garage's server (the page says so)
+        code = (DOCS / "how-to" / "deployments.md").read_text().split("```python\n")[1].split("```")[0]
+        (work / "deploy.py").write_text(code)
+        from hpc_garage.prefect.server import ensure_api
+
+        env |= ensure_api()
+    assert blocks(DOCS / "how-to" / f"{page}.md"), f"{page}.md has no tested transcript"
+    failures = run_page(DOCS / "how-to" / f"{page}.md", work, env, needs={"slurm"})
     assert not failures, "\n\n".join(failures)
 
 

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from hpc_garage.core.errors import UserError
-from hpc_garage.files import append_private, locked, pid_alive, read_json, run_root, write_json, write_private
+from hpc_garage.files import (append_private, locked, pid_alive, read_json, read_secrets, run_root, write_json,
+                              write_private)
 
 
 def mode(path: Path) -> int:
@@ -109,3 +110,17 @@ def test_a_run_root_expands_home_and_variables(monkeypatch: pytest.MonkeyPatch, 
     monkeypatch.setenv("SCRATCH", "/scratch/me")
     assert run_root("~/.hpc-garage/runs") == tmp_path / ".hpc-garage" / "runs"
     assert run_root("$SCRATCH/runs") == Path("/scratch/me/runs")
+
+
+def test_secrets_are_read_only_from_a_private_file_of_names_and_values(tmp_path: Path) -> None:
+    path = tmp_path / "s.json"
+    write_json(path, {"PREFECT_API_AUTH_STRING": "u:p"})
+    assert read_secrets(str(path), "VAR") == {"PREFECT_API_AUTH_STRING": "u:p"}
+    for prepare, words in ((lambda: path.chmod(0o640), "mode 640"),
+                           (lambda: (path.chmod(0o600), path.write_text('{"A": 1}')), "not a JSON object of"),
+                           (lambda: path.write_text("{"), "cannot be read"),
+                           (lambda: path.unlink(), "no such file")):
+        prepare()
+        with pytest.raises(UserError, match=f"^VAR={path}") as caught:
+            read_secrets(str(path), "VAR")
+        assert words in str(caught.value) and "\n" not in str(caught.value)

@@ -99,3 +99,32 @@ def test_task_runner_imported_from_the_prefect_package_still_calls(monkeypatch: 
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # the public spelling does not warn
             assert isinstance(hpc_garage.task_runner(address="tcp://127.0.0.1:9"), HpcTaskRunner)
+
+
+def test_the_per_trial_api_is_what_the_reference_page_lists_and_works_outside_a_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`hpc_garage.trial`: its `__all__` is the page's table, each name says why, its import is light, and
+    outside hpc-garage it behaves as the page says (a local directory, nothing ever stops, report checks its
+    arguments)."""
+    from hpc_garage import trial
+
+    listed = re.findall(r"^\| `hpc_garage\.trial\.(\w+)(?:\(.*?\))?` \|", _section("The per-trial API: `hpc_garage.trial`"),
+                        re.MULTILINE)
+    assert sorted(listed) == sorted(trial.__all__)
+    assert all(getattr(trial, name).__doc__ for name in trial.__all__)
+    code = ("import sys; from hpc_garage import trial; trial.should_stop(); "
+            "print(sorted(m for m in ('prefect', 'distributed', 'dask', 'pydantic') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.stdout.strip() == "[]", done.stdout + done.stderr
+    monkeypatch.chdir(tmp_path)
+    for name in ("HPC_GARAGE_SWEEP", "HPC_GARAGE_RESULTS"):
+        monkeypatch.delenv(name, raising=False)
+    assert trial.should_stop() is False and trial.stop_reason() is None
+    directory = trial.checkpoint_dir()
+    assert directory.is_dir() and tmp_path in directory.resolve().parents
+    trial.report(3, loss=0.5)  # outside a run: checked, kept nowhere
+    with pytest.raises((ValueError, TypeError)):
+        trial.report(-1, loss=0.5)
+    with pytest.raises((ValueError, TypeError)):
+        trial.report(1, loss=float("nan"))
+    assert issubclass(trial.Interrupted, BaseException) and not issubclass(trial.Interrupted, Exception)

@@ -74,10 +74,60 @@ def test_the_job_runs_prefects_engine_for_the_flow_run_with_the_api_exported(tmp
     assert f'-- "$PY" -m prefect.engine {FLOW_RUN}\n' in script
     assert "--sweep sweep-gpu --sweep-epoch 1" in script
     assert f"cd {tmp_path} " in script and "#SBATCH --nodes=2" in script
-    assert "#SBATCH --job-name=train-0b8c6a2e5d0f" in script  # the flow run's short id: found again by name
-    assert "export PREFECT_API_AUTH_STRING='u:p w'\"'\"'x'" in script
+    assert "#SBATCH --job-name=train-7f2d1e4c9b10" in script  # the flow run's short id: found again by name
+    # the random end of its id: a schedule's runs made at once have UUIDv7 ids whose first 12 digits agree
+    from hpc_garage.schedulers.flow_run_jobs import FlowRunJob
+
+    made_at_once = [FlowRunJob(i, "", {}, {}, "", "").key for i in ("01a21f0f-e886-7b58-b1bd-b16dc3bdc6e9",
+                                                                      "01a21f0f-e886-7d44-bf70-7795d1e0afc4")]
+    assert made_at_once == ["b16dc3bdc6e9", "bf707795d1e0afc4"[-12:]] and len(set(made_at_once)) == 2
+    assert "export PREFECT_API_URL=http://127.0.0.1:1/api\n" in script
+    # the auth string is not in the script (the batch system keeps scripts where its staff read them): the
+    # script names the private file the worker writes it to, and `run` reads it (test_secrets_... below)
+    assert "u:p" not in script and "PREFECT_API_AUTH_STRING" not in script
+    secrets = prepared.root / "prefect-flow-runs" / f"{FLOW_RUN}.secrets.json"
+    assert f"export HPC_GARAGE_SECRETS={secrets}\n" in script
     assert "UNSET" not in script
     assert prepared.spec.command[-3:] == ["-m", "prefect.engine", FLOW_RUN]
+
+
+def test_the_flow_runs_secrets_reach_its_job_through_a_private_file_and_no_script(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The auth string goes to a 0600 file written before sbatch; sbatch sees a script without it and an
+    environment without it (Slurm keeps both); the job's `run` reads the file into its environment, and a
+    follow-up job's sbatch (from inside the job) hands on the file's name, not its values."""
+    from hpc_garage.schedulers import flow_run_jobs, get
+    from hpc_garage.schedulers.flow_run_jobs import prepare_flow_run, take
+    from hpc_garage.schedulers.submission.submitting import _environ
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("PREFECT_API_AUTH_STRING", "u:p w'x")  # the worker's own: sbatch would pass it on
+    job = _job(tmp_path, nodes=1)
+    prepared = prepare_flow_run(job)
+    secrets = flow_run_jobs.secrets_file(prepared.root, FLOW_RUN)
+    seen: dict[str, Any] = {}
+
+    def sbatch(self: Any, argv: list[str], *, env: dict[str, str] | None = None, **kw: Any) -> str:
+        seen.update(script=Path(argv[-1]).read_text(), env=env, secrets=json.loads(secrets.read_text()),
+                    mode=secrets.stat().st_mode & 0o777)
+        return "77\n"
+
+    monkeypatch.setattr(type(get("slurm")), "run", sbatch)
+    taken = take(job, prepared)
+    assert taken.job_id == "77" and seen["secrets"] == {"PREFECT_API_AUTH_STRING": "u:p w'x"} and seen["mode"] == 0o600
+    assert "u:p" not in seen["script"] and f"export HPC_GARAGE_SECRETS={secrets}\n" in seen["script"]
+    assert seen["env"] is not None and "PREFECT_API_AUTH_STRING" not in seen["env"]
+    assert seen["env"]["HOME"] == str(tmp_path)  # the rest of the environment as sbatch passes it on
+    from hpc_garage.rundir import RunDir
+
+    assert "u:p" not in RunDir.for_job(prepared.root, "77").script_file.read_text()
+    # inside the job: `run` reads the file (tests/test_cli.py), and its follow-up's sbatch gets no secret
+    monkeypatch.setenv("HPC_GARAGE_SECRETS", str(secrets))
+    followed = _environ(())
+    assert followed is not None and "PREFECT_API_AUTH_STRING" not in followed
+    assert followed["HPC_GARAGE_SECRETS"] == str(secrets)
+    monkeypatch.delenv("HPC_GARAGE_SECRETS")
+    assert _environ(()) is None  # `hpc-garage submit`: sbatch gets this environment as it is
 
 
 def test_a_bad_value_is_refused_before_anything_is_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -212,7 +262,7 @@ class Garage:
 
     def records(self, flow_run_id: str) -> list[dict[str, Any]]:
         """Every job hpc-garage submitted for this flow run (its submit.json), however many workers tried."""
-        key = flow_run_id.replace("-", "")[:12]
+        key = flow_run_id.replace("-", "")[-12:]
         runs = self.home / ".hpc-garage" / "runs"
         found = [json.loads(p.read_text()) for p in runs.glob("*/submit.json")]
         return [r for r in found if r["job_name"].endswith(key)]
@@ -529,6 +579,140 @@ def test_the_pools_concurrency_limit_holds_while_jobs_queue_and_run(garage: Gara
 
 @pytest.mark.slurm
 @pytest.mark.slow
+def test_no_script_holds_the_apis_auth_string_and_the_jobs_still_reach_the_api(garage: Garage, tmp_path: Path) -> None:
+    """With the managed server's auth string set: a deployment run, a `submit` and a `submit` on a jobqueue site
+    (driver and worker jobs). Slurm's stored copy of each batch script (`scontrol write batch_script`, what
+    its staff and accounting read), each job.sh, each temporary submit script caught while it lives, and every
+    other file of the run root but the private ones hold no part of the secret; every flow still reports to
+    the API (the deployment run is Completed by its job's engine, which had the secret from its 0600 file)."""
+    import threading
+
+    from tests.test_jobqueue_slurm import worker_jobs
+
+    secret = garage.auth.split(":", 1)[1]
+    assert len(secret) >= 16
+    runs = garage.home / ".hpc-garage" / "runs"
+    caught: dict[str, str] = {}
+    stop = threading.Event()
+
+    def catch() -> None:  # the temporary scripts handed to sbatch live for a moment only
+        while not stop.is_set():
+            for temp in runs.glob(".submit-*.sh"):
+                try:
+                    caught[temp.name] = temp.read_text()
+                except OSError:
+                    pass
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=catch, daemon=True)
+    watcher.start()
+    try:
+        flow_run_id = garage.run({"seeds": 1, "lrs": [0.1], "duration": 0.3, "out": "/dev/null"},
+                                 {"nodes": 1, "gpus_per_node": 1})
+        submitted = [subprocess.run([PY, "-m", "hpc_garage", "submit", "--site", site, "--wait",
+                                     str(ROOT / "examples" / "sweep.py"), "--gpu", "yes", "--seeds", "1", "--lrs", "0.1",
+                                     "--duration", "0.3", "--out", str(tmp_path / f"{site}.json")],
+                                    capture_output=True, text=True, env=garage.env, cwd=tmp_path, timeout=420)
+                     for site in ("lab-gpu", "lab-jobqueue")]
+        run = garage.wait(flow_run_id, lambda r: r["state_type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"),
+                          600, "a final state")
+    finally:
+        stop.set()
+        watcher.join()
+    assert run["state_type"] == "COMPLETED", run["state"]
+    jobs = [record["job_id"] for record in garage.records(flow_run_id)]
+    for done in submitted:
+        assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+        jobs.append(re.search(r"submitted job (\S+)", done.stdout).group(1))  # type: ignore[union-attr]
+    workers = [j["job_id"] for j in worker_jobs(runs / jobs[-1])["jobs"]]
+    assert workers and len(jobs) == 3
+    for job in jobs + workers:
+        stored = subprocess.run(["scontrol", "write", "batch_script", job, "-"], capture_output=True, text=True,
+                                timeout=30)
+        assert stored.returncode == 0 and "#!" in stored.stdout, (job, stored.stderr)
+        assert secret not in stored.stdout, f"job {job}'s batch script holds the auth string"
+        if job in jobs:  # the script sbatch got is the job.sh hpc-garage keeps
+            assert stored.stdout == (runs / job / "job.sh").read_text()
+    assert "HPC_GARAGE_SECRETS=" in (runs / jobs[0] / "job.sh").read_text()
+    assert all(secret not in text for text in caught.values()), sorted(caught)
+    public = [p for p in garage.home.rglob("*") if p.is_file() and p.stat().st_mode & 0o077]
+    assert not [p for p in public if secret in p.read_text(errors="replace")]
+    secrets = runs / "prefect-flow-runs" / f"{flow_run_id}.secrets.json"
+    assert oct(secrets.stat().st_mode & 0o777) == "0o600"
+    assert json.loads(secrets.read_text())["PREFECT_API_AUTH_STRING"] == garage.auth
+
+
+def _deploy(garage: Garage, name: str, **options: Any) -> str:
+    """Another deployment of examples/sweep.py on the pool (one GPU, a short sweep), with Prefect's own
+    deploy() options; its id."""
+    deploy = ("from prefect import flow; "
+              f"flow.from_source(source={str(ROOT / 'examples')!r}, entrypoint='sweep.py:sweep').deploy("
+              f"name={name!r}, work_pool_name={POOL!r}, job_variables={{'nodes': 1, 'gpus_per_node': 1}}, "
+              "parameters={'gpu': 'yes', 'seeds': 1, 'lrs': [0.1], 'duration': 3, 'out': '/dev/null'}, "
+              + ", ".join(f"{k}={v}" for k, v in options.items()) + ")")
+    done = subprocess.run([PY, "-c", deploy], env=garage.env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return garage.call("GET", f"/deployments/name/sweep/{name}")["id"]
+
+
+def _ended_at(garage: Garage, flow_run_id: str) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(garage.flow_run(flow_run_id)["end_time"].replace("Z", "+00:00")).timestamp()
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_a_deployments_concurrency_limit_keeps_its_second_run_waiting_until_the_first_ends(garage: Garage) -> None:
+    """`concurrency_limit=1` on the deployment (Prefect's own): of two runs made at once, the second waits
+    (AwaitingConcurrencySlot) and its job is submitted only once the first flow run has ended."""
+    deployment = _deploy(garage, "limited", concurrency_limit=1)
+    try:
+        first, second = (garage.call("POST", f"/deployments/{deployment}/create_flow_run", {})["id"]
+                         for _ in range(2))
+        done = [garage.wait(r, lambda r: r["state_type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"), 600,
+                            "a final state") for r in (first, second)]
+        assert [d["state_type"] for d in done] == ["COMPLETED", "COMPLETED"], [d["state"] for d in done]
+        (job1,), (job2,) = garage.records(first), garage.records(second)
+        early, late = sorted(((job1, first), (job2, second)), key=lambda j: j[0]["submitted"])
+        assert late[0]["submitted"] >= _ended_at(garage, early[1]) - 1, "the second job was submitted while the first ran"
+        history = garage.call("GET", f"/flow_run_states/?flow_run_id={late[1]}")
+        assert "AwaitingConcurrencySlot" in [h["name"] for h in history], [(h["type"], h["name"]) for h in history]
+    finally:
+        garage.call("DELETE", f"/deployments/{deployment}")
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_an_interval_schedule_fires_and_its_runs_become_jobs_that_complete(garage: Garage) -> None:
+    """A 1-minute interval schedule: Prefect's scheduler (in hpc-garage's server, which the schedule and the
+    worker hold: the same server throughout) makes its runs; the worker submits each as a job; two complete."""
+    status = [PY, "-m", "hpc_garage", "server", "status"]
+    before = json.loads(subprocess.run(status, env=garage.env, capture_output=True, text=True, timeout=60).stdout)
+    deployment = _deploy(garage, "every-minute", interval=60)
+    try:
+        deadline = time.monotonic() + 420
+        while True:
+            runs = garage.call("POST", "/flow_runs/filter", {"deployments": {"id": {"any_": [deployment]}}})
+            completed = [r for r in runs if r["state_type"] == "COMPLETED"]
+            if len(completed) >= 2:
+                break
+            assert time.monotonic() < deadline, [(r["state_type"], r["expected_start_time"]) for r in runs]
+            assert not [r for r in runs if r["state_type"] in ("FAILED", "CRASHED")], [r["state"] for r in runs]
+            time.sleep(5)
+        starts = sorted(r["expected_start_time"] for r in completed)
+        assert len(set(starts)) == len(starts) and all(r["auto_scheduled"] for r in completed)
+        for run in completed:
+            (record,) = garage.records(run["id"])  # one job each, as a Run-button run gets
+            assert run["infrastructure_pid"] == record["job_id"]
+    finally:
+        garage.call("DELETE", f"/deployments/{deployment}")
+    after = json.loads(subprocess.run(status, env=garage.env, capture_output=True, text=True, timeout=60).stdout)
+    assert after["pid"] == before["pid"] and after["url"] == before["url"], (before, after)
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
 def test_run_once_submits_and_exits_and_a_later_call_settles_the_job(garage: Garage) -> None:
     """For sites that end long login-node processes: `hpc-garage worker --run-once` from cron or scrontab."""
     garage.worker.send_signal(signal.SIGINT)  # no long-running worker from here on
@@ -588,4 +772,3 @@ def test_a_worker_that_loses_its_own_api_keeps_its_job_and_catches_up(tmp_path: 
         if garage.worker is not None and garage.worker.poll() is None:
             garage.worker.kill()
         server.kill()
-

@@ -150,7 +150,11 @@ def run(site_name: str | None, insecure: bool, timeout: float, sweep: str | None
     import os
 
     from hpc_garage.cluster.run import site_for_run
+    from hpc_garage.files import read_secrets
+    from hpc_garage.variables import SECRETS_ENV
 
+    if path := os.environ.get(SECRETS_ENV):  # a deployment's job: its API's secrets, kept out of its script
+        os.environ.update(read_secrets(path, SECRETS_ENV))
     site = site_for_run(site_name, os.environ)
     sys.exit(run_here(site, list(command), insecure=insecure, timeout=timeout, sweep=sweep, sweep_epoch=sweep_epoch,
                       resume=resume))

@@ -68,10 +68,12 @@ class BatchSystem:
         """dask-jobqueue's batch-specific keyword arguments for one worker job of this shape."""
         raise self._no_worker_jobs()
 
-    def run(self, argv: Sequence[str], *, input: str | None = None, timeout: float = 60) -> str:
+    def run(self, argv: Sequence[str], *, input: str | None = None, timeout: float = 60,
+            env: Mapping[str, str] | None = None) -> str:
         """Run one of the batch system's commands; its failure becomes one line naming the command."""
         try:
-            done = subprocess.run(list(argv), input=input, capture_output=True, text=True, timeout=timeout)
+            done = subprocess.run(list(argv), input=input, capture_output=True, text=True, timeout=timeout,
+                                  env=None if env is None else dict(env))
         except FileNotFoundError:
             raise UserError(f"{argv[0]}: command not found; is the {self.name} client installed and on PATH?") from None
         except subprocess.TimeoutExpired:

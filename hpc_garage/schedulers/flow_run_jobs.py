@@ -5,7 +5,11 @@ a bad one is refused in one line before anything is created. The job is `submit`
 directory, with COMMAND `python -m prefect.engine <flow run id>` (the worker names hpc-garage's guard around
 it, prefect/flow_run.py, which runs nothing for a flow run that has ended) from the deployment's directory, and
 the environment the worker hands the flow run (the API's address) exported in the script, so a follow-up
-job (walltime, preemption) carries it too.
+job (walltime, preemption) carries it too. Its secrets (the API's auth string or key, any variable named like
+a password or token) are not: a job script is kept by the batch system (`scontrol write batch_script`,
+accounting) and read by its staff. They go to a private file beside the flow run's claim, written before
+sbatch/qsub; the script names the file ($HPC_GARAGE_SECRETS) and `run` reads it at its start into the
+environment of the flow and its workers.
 
 A flow run is submitted once, however often its worker dies: before sbatch/qsub the worker claims the flow
 run in `<run root>/prefect-flow-runs/<flow run id>.json` (under a lock), and notes the job id there once
@@ -31,11 +35,12 @@ from hpc_garage.core.errors import UserError
 from hpc_garage.core.request import Request
 from hpc_garage.core.request_options import OPTIONS as REQUEST_OPTIONS
 from hpc_garage.files import locked, pid_alive, read_json, write_json
+from hpc_garage.variables import SECRETS_ENV
 from hpc_garage.schedulers.submission import (JobView, Prepared, adopt, find, next_job_of, prepare, refresh,
                                               run_root, run_roots, submit)
 
-__all__ = ["VARIABLES", "FlowRunJob", "Taken", "Busy", "request_of", "prepare_flow_run", "take", "claim_of",
-           "views", "cancel", "ended", "next_job_of", "run_roots"]
+__all__ = ["VARIABLES", "FlowRunJob", "Taken", "Busy", "request_of", "prepare_flow_run", "secrets_of",
+           "secrets_file", "take", "claim_of", "views", "cancel", "ended", "next_job_of", "run_roots"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +48,7 @@ CLAIMS = "prefect-flow-runs"  # under a site's run root: one <flow run id>.json 
 MODULE = "prefect.engine"  # COMMAND: Prefect's own engine, given the flow run's id (unless the worker names another)
 VARIABLES = tuple(option.name for option in REQUEST_OPTIONS)  # the work pool's job variables
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_SECRET_NAME = re.compile(r"AUTH|KEY|PASSWORD|PASSWD|SECRET|TOKEN|CREDENTIAL|CONNECTION_URL", re.IGNORECASE)
 _UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
@@ -61,8 +67,10 @@ class FlowRunJob:
 
     @property
     def key(self) -> str:
-        """The short id in the job's name: what finds a job whose id its dead submitter never noted."""
-        return self.flow_run_id.replace("-", "")[:12]
+        """The short id in the job's name: what finds a job whose id its dead submitter never noted. The id's
+        last 12 hex digits: random in a UUIDv4 and a UUIDv7 alike, where the first 12 are a UUIDv7's
+        millisecond clock, the same for the runs a schedule makes at once (two jobs of one name)."""
+        return self.flow_run_id.replace("-", "")[-12:]
 
 
 @dataclass(frozen=True)
@@ -130,12 +138,30 @@ def prepare_flow_run(job: FlowRunJob) -> Prepared:
         if not _ENV_NAME.fullmatch(key):
             raise UserError(f"job variable env: {key!r} is not an environment variable name; use letters, digits "
                             "and _ (not first a digit)")
-        exports.append(f"export {key}={shlex.quote(str(value))}")
+        if not _SECRET_NAME.search(key):
+            exports.append(f"export {key}={shlex.quote(str(value))}")
+    if secrets_of(job):
+        exports.append(f"export {SECRETS_ENV}={shlex.quote(str(secrets_file(prepared.root, job.flow_run_id)))}")
     spec = replace(prepared.spec, script="-m", args=(job.module, job.flow_run_id),
                    setup=(*prepared.spec.setup, *exports))
     from hpc_garage.schedulers.jobscript import render
 
     return replace(prepared, spec=spec, script=render(spec))
+
+
+def secrets_of(job: FlowRunJob) -> dict[str, str]:
+    """The variables of the flow run's environment that no job script may hold."""
+    return {k: str(v) for k, v in job.env.items() if v is not None and _SECRET_NAME.search(k)}
+
+
+def secrets_file(root: Path, flow_run_id: str) -> Path:
+    """Where the flow run's secrets wait for its jobs (a follow-up job too): beside its claim, private."""
+    return root / CLAIMS / f"{flow_run_id}.secrets.json"
+
+
+def _write_secrets(job: FlowRunJob, prepared: Prepared) -> None:
+    if secrets := secrets_of(job):
+        write_json(secrets_file(prepared.root, job.flow_run_id), secrets)
 
 
 # ---------------------------------------------------------------------------------- submitting once
@@ -164,14 +190,16 @@ def take(job: FlowRunJob, prepared: Prepared) -> Taken:
             batch = get(prepared.spec.scheduler)
             found = batch.jobs_named(str(claim.get("job_name")))
             if found:  # its submitter died after sbatch took the job, before it noted the id (or recorded it)
+                _write_secrets(job, prepared)
                 adopted = adopt(prepared, found[0])
                 write_json(path, {**claim, "job_id": found[0], "run_dir": str(adopted.run_dir), "found": time.time()})
                 logger.info("flow run %s: job %s of its dead worker found in the queue", job.flow_run_id, found[0])
                 return Taken(found[0], claim.get("site") or site, fresh=False, log=adopted.log)
+        _write_secrets(job, prepared)  # before sbatch: the job may start at once
         write_json(path, {"flow_run": job.flow_run_id, "job_name": prepared.spec.job_name, "site": site,
                           "host": socket.gethostname(), "pid": os.getpid(), "claimed": time.time()})
         try:
-            done = submit(prepared)
+            done = submit(prepared, hidden=secrets_of(job))
         except BaseException:
             path.unlink(missing_ok=True)  # nothing was submitted (submit undoes a job it took)
             raise

@@ -28,7 +28,8 @@ def ensure_api(host: str = LOOPBACK, *, env: Mapping[str, str] | None = None,
     """
     env = os.environ if env is None else env
     if url := configured_api_url(env):  # its auth string and managed-server note travel with it (a deployment's job)
-        return {"PREFECT_API_URL": url, **{k: env[k] for k in ("PREFECT_API_AUTH_STRING", PREFECT_SERVER_ENV) if env.get(k)}}
+        return {"PREFECT_API_URL": url, **{k: env[k] for k in ("PREFECT_API_AUTH_STRING", "PREFECT_API_KEY",
+                                                              PREFECT_SERVER_ENV) if env.get(k)}}
     return ensure_server(host, timeout=timeout).client_env()
 
 

@@ -14,7 +14,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,11 +22,12 @@ from typing import TYPE_CHECKING, Any
 from hpc_garage.core.errors import UserError
 from hpc_garage.core.request import Request
 from hpc_garage.core.sweep import SweepKey
-from hpc_garage.files import write_private
+from hpc_garage.files import read_secrets, write_private
 from hpc_garage.rundir import RunDir
 from hpc_garage.schedulers.base import JOB_ID, BatchSystem
 from hpc_garage.schedulers.submission.finding import find, refresh, results_roots, run_root
 from hpc_garage.sweeps import SweepBook, add_job, next_epoch, sweep_of
+from hpc_garage.variables import SECRETS_ENV
 
 if TYPE_CHECKING:
     from hpc_garage.core.layout import Layout
@@ -127,13 +128,14 @@ class Submitted:
     record: dict[str, Any]
 
 
-def submit(prepared: Prepared) -> Submitted:
-    """Hand the job to the batch system and record it; on any failure, leave no job and no files."""
+def submit(prepared: Prepared, *, hidden: Collection[str] = ()) -> Submitted:
+    """Hand the job to the batch system and record it; on any failure, leave no job and no files. `hidden`:
+    variables of this environment that sbatch/qsub must not hand the job (they reach it from a private file)."""
     from hpc_garage.schedulers import get
 
     batch = get(prepared.spec.scheduler)
     return _hand_over(batch, prepared.root, prepared.script, lambda temp: batch.submit_argv(temp, prepared.spec),
-                      _record_of(prepared), prepared.how)
+                      _record_of(prepared), prepared.how, hidden)
 
 
 def adopt(prepared: Prepared, job_id: str) -> Submitted:
@@ -232,7 +234,7 @@ def resume(target: str, site_name: str | None = None) -> tuple[SweepBook, Submit
 
 
 def _hand_over(batch: BatchSystem, root: Path, script: str, submit_argv: Callable[[Path], list[str]],
-               record: dict[str, Any], how: str) -> Submitted:
+               record: dict[str, Any], how: str, hidden: Collection[str] = ()) -> Submitted:
     """Submit `script` from a private temporary file, then give the job its run directory (job.sh,
     submit.json) and its place in its sweep; anything that fails undoes the rest, the job first."""
     undo: list[Callable[[], None]] = []
@@ -242,7 +244,9 @@ def _hand_over(batch: BatchSystem, root: Path, script: str, submit_argv: Callabl
         undo.append(lambda: Path(temp).unlink(missing_ok=True))
         with os.fdopen(fd, "w") as f:
             f.write(script)
-        job_id = batch.parse_job_id(batch.run(submit_argv(Path(temp))))
+        env = _environ(hidden)
+        argv = submit_argv(Path(temp))
+        job_id = batch.parse_job_id(batch.run(argv) if env is None else batch.run(argv, env=env))
         # undone in reverse: the job is cancelled first, then its log and run directory go
         run_dir = RunDir.for_job(root, job_id).path
         if not run_dir.exists():
@@ -279,6 +283,17 @@ def _record_job(batch: BatchSystem, root: Path, job_id: str, record: dict[str, A
         add_job(book, SweepKey(book.name, sweep["epoch"]), job_id, how,
                 {k: record[k] for k in ("site", "script", "args", "cwd")})
     return Submitted(job_id=job_id, run_dir=rundir.path, log=log, error_log=error_log, record=record)
+
+
+def _environ(hidden: Collection[str]) -> dict[str, str] | None:
+    """The environment sbatch/qsub hand the job (Slurm keeps it in its state, and in accounting with
+    `AccountingStoreFlags=job_env`): this one without the secrets that reach the job through a private file
+    instead, `hidden` and those of the file $HPC_GARAGE_SECRETS names (a deployment job's follow-up);
+    None: this environment as it is."""
+    names = set(hidden)
+    if path := os.environ.get(SECRETS_ENV):
+        names |= set(read_secrets(path, SECRETS_ENV))
+    return {k: v for k, v in os.environ.items() if k not in names} if names else None
 
 
 def _make_dirs(root: Path, undo: list[Callable[[], None]]) -> None:
