@@ -22,7 +22,8 @@ from typing import Any
 from hpc_garage.core.sweep import CHECKPOINTS_DIR, TRIALS_DIR
 
 __all__ = ["CHECKPOINTS_DIR", "REPORT_TOPIC", "TRIALS_DIR", "answering", "answers", "any_stop", "decided",
-           "note_trial", "on_stop", "reason", "stop", "stop_trials", "trial", "wait_answer", "waits_at"]
+           "known_trials", "note_step", "note_trial", "on_stop", "reason", "stop", "stop_trials", "trial", "wait_answer",
+           "waits_at"]
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ REPORT_TOPIC = "hpc-garage-report"  # the Dask event topic of trial.report(); th
 _stopping = threading.Event()  # set once any stop reason is known here: the cheap test
 _reasons: dict[str | None, str] = {}  # trial (task run id hex) or None (every trial) -> why it should stop
 _callbacks: list[Callable[[str], None]] = []
-_trials: OrderedDict[str, dict[str, Any]] = OrderedDict()  # task run id hex -> {key, task, started, asked}
+_trials: OrderedDict[str, dict[str, Any]] = OrderedDict()  # task run id hex -> {key, task, started, asked, step}
 _lock = threading.Lock()
 
 
@@ -86,10 +87,24 @@ def trial(run_id: str) -> dict[str, Any] | None:
         return _trials.get(run_id)
 
 
+def note_step(run_id: str, step: int) -> None:
+    """The trial reported `step` (trial.report): the progress the wind-down counts (cluster/interruptions.py).
+    One dictionary look-up per report; a trial the sweep cache does not know is not kept."""
+    known = _trials.get(run_id)
+    if known is not None and step > known.get("step", -1):
+        known["step"] = step
+
+
 def stop_trials(why: str, run_ids: list[str]) -> dict[str, dict[str, Any]]:
     """Run on each worker by the wind-down: tell every trial here to stop; answer what is known of those of
     `run_ids` (the tasks the scheduler sees executing) that run here."""
     stop(why)
+    return known_trials(run_ids)
+
+
+def known_trials(run_ids: list[str]) -> dict[str, dict[str, Any]]:
+    """What is known of those of `run_ids` that run here (the wind-down asks again once they stopped: their
+    last step)."""
     with _lock:
         return {run_id: dict(_trials[run_id]) for run_id in run_ids if run_id in _trials}
 

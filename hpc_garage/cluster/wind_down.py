@@ -10,14 +10,15 @@ the site's warning signal) it winds down:
    they would be killed, so that a trial that checkpoints saves its state and raises `Interrupted`;
 2. when the running trials are done (their results are persisted, core/sweep.py), or `grace` seconds
    before the end, each trial still unfinished is recorded as interrupted (`.trials/<key>.json` in the
-   epoch's results: how often, whether it wrote a new checkpoint since it started, the work lost since
+   epoch's results: how often, whether it made progress (its reported step) since, the work lost since
    its last one);
 3. with the site's `requeue: auto`, a follow-up job is submitted from this job's own script, to start once
    this job has ended (`afterany`), so the sweep goes on with nobody watching: but only where this job got
-   somewhere (a trial finished or checkpointed) or an interrupted trial may still be continued. A trial
-   interrupted more than `max_continuations` jobs in a row without a new checkpoint is not: when only such
-   trials are left, the chain ends, naming them ("longer than the walltime and never checkpoints"), and
-   `run` exits EX_TEMPFAIL;
+   somewhere (a trial finished or made progress) or an interrupted trial may still be continued. A trial
+   interrupted more than `max_continuations` jobs in a row without progress (the step it reports:
+   cluster/interruptions.py) is not: when only such trials are left, the chain ends, naming them ("longer
+   than the walltime and never checkpoints", "no step past 40 in 3 jobs in a row"), and `run` exits
+   EX_TEMPFAIL;
 4. COMMAND is stopped and `run` tears down as usual.
 A COMMAND that finishes on its own meanwhile finished the sweep: the follow-up job is cancelled.
 
@@ -33,14 +34,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hpc_garage.cluster.interruptions import NEVER_CHECKPOINTS, Unfinished, follow_up_needed, interruption, newest
 from hpc_garage.cluster.stopping import CHECKPOINTS_DIR, TRIALS_DIR
 from hpc_garage.core.site import Site
 from hpc_garage.files import write_private
@@ -67,50 +67,6 @@ def lead_for(margin: float, checkpoint_grace: float, limit: float) -> float:
     checkpoint grace would not fit before they are killed (`margin / 2` before the end); never more than
     half the limit."""
     return min(max(margin, checkpoint_grace + margin / 2), max(margin, limit / 2))
-
-
-NEVER_CHECKPOINTS = "longer than the walltime and never checkpoints"
-
-
-@dataclass(frozen=True)
-class Unfinished:
-    """A trial still running when its job wound down, as the job saw it end."""
-
-    trial: str  # its result key (the sweep cache's), or `task:<name>` for a task the sweep does not cache
-    task: str
-    started: float  # when it started in this job (epoch seconds)
-    checkpoint: float | None  # when its newest checkpoint was written, if it has one
-    ended: float | None = None  # when it stopped (raised Interrupted); None: it ran until the job's end
-
-
-def interruption(before: dict[str, Any] | None, trial: Unfinished, job_id: str, now: float,
-                 max_continuations: int) -> dict[str, Any]:
-    """The trial's record after this interruption. Progress: a checkpoint newer than the one its last
-    interruption saw (file times against file times: the shared storage's clock, never a node's); the work
-    lost: the time since its newest checkpoint (since its start, without progress). Given up: more than
-    `max_continuations` interruptions in a row without progress."""
-    record = dict(before or {"task": trial.task, "trial": trial.trial, "interruptions": []})
-    seen = record.get("checkpoint")
-    progress = trial.checkpoint is not None and (seen is None or trial.checkpoint > float(seen))
-    if trial.checkpoint is not None:
-        record["checkpoint"] = trial.checkpoint
-    lost = (trial.ended or now) - (trial.checkpoint if progress and trial.checkpoint is not None else trial.started)
-    record["interruptions"] = [*record.get("interruptions", []),
-                               {"job": job_id, "at": now, "progress": progress, "lost": round(max(lost, 0.0), 1)}]
-    record["without_progress"] = 0 if progress else int(record.get("without_progress", 0)) + 1
-    record["checkpointed"] = bool(record.get("checkpointed")) or trial.checkpoint is not None
-    if record["without_progress"] > max_continuations:
-        record["gave_up"] = (NEVER_CHECKPOINTS if not record["checkpointed"]
-                             else f"no new checkpoint in {record['without_progress']} jobs in a row")
-    else:
-        record.pop("gave_up", None)
-    return record
-
-
-def follow_up_needed(records: list[dict[str, Any]], new_results: int) -> bool:
-    """Whether another job would get further: this one stored a result, or some interrupted trial made
-    progress or may still be continued."""
-    return new_results > 0 or any(r["interruptions"][-1]["progress"] or "gave_up" not in r for r in records)
 
 
 class WindDown:
@@ -252,6 +208,7 @@ class WindDown:
                 break
             await asyncio.sleep(0.5)
         started = {str(ts.key) for ws in scheduler.workers.values() for ts in ws.executing}
+        known |= await _known(scheduler, [_run_id(k) for k in running])  # their last steps, now they stopped
         unfinished = [_unfinished(key, known.get(_run_id(key)), self.results, told, ended.get(key)) for key in running
                       if (_run_id(key) in known or key in started) and _state(scheduler, key) != "memory"]
         await loop.run_in_executor(None, self._decide, unfinished)
@@ -356,21 +313,22 @@ def _unfinished(key: str, info: dict[str, Any] | None, results: Path | None, tol
     if info is None:
         task = str(key).rsplit("-", 1)[0]
         return Unfinished(f"task:{task}", task, told, None, ended)
-    checkpoint = _newest(results / CHECKPOINTS_DIR / str(info["key"])) if results is not None else None
-    return Unfinished(str(info["key"]), str(info["task"]), float(info["started"]), checkpoint, ended)
+    checkpoint = newest(results / CHECKPOINTS_DIR / str(info["key"])) if results is not None else None
+    step = info.get("step")
+    return Unfinished(str(info["key"]), str(info["task"]), float(info["started"]), checkpoint, ended,
+                      int(step) if isinstance(step, int) else None)
 
 
-def _newest(path: Path) -> float | None:
-    """When anything under `path` was last written; None for nothing there."""
-    newest = None
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            try:
-                mtime = os.stat(os.path.join(root, name)).st_mtime
-            except OSError:
-                continue
-            newest = mtime if newest is None else max(newest, mtime)
-    return newest
+async def _known(scheduler: Any, run_ids: list[str]) -> dict[str, dict[str, Any]]:
+    """What the workers know of these trials now; nothing from a worker that does not answer."""
+    from hpc_garage.cluster.stopping import known_trials
+    from hpc_garage.compat import run_on_workers
+
+    try:
+        answers = await run_on_workers(scheduler, known_trials, run_ids, timeout=3.0)
+    except Exception:  # noqa: BLE001 - the first answer stands
+        return {}
+    return {run_id: info for answer in answers.values() for run_id, info in (answer or {}).items()}
 
 
 def _results_in(results: Path | None) -> int:
