@@ -77,3 +77,48 @@ def test_a_trial_that_re_saves_the_same_step_each_job_ends_the_chain_named(tmp_p
     assert any("trial train (k1) is not continued: no step past 40 in 3 jobs in a row" in line for line in said), said
     record = json.loads((tmp_path / stopping.TRIALS_DIR / "k1.json").read_text())
     assert record["gave_up"] == "no step past 40 in 3 jobs in a row" and record["step"] == 40
+
+
+def test_the_batch_systems_sigterm_stops_a_workers_trials_and_the_second_ends_it(tmp_path: Path) -> None:
+    """A worker process (its forkserver preloads prefect/worker.py, which holds SIGTERM there): the first
+    SIGTERM tells its trials to stop and it lives on; the second ends it as SIGTERM does."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from hpc_garage.variables import WORKER_PRELOAD
+
+    script = ("import os, signal, time\nfrom hpc_garage.cluster import stopping\nstopping.hold_term()\n"
+              "print('ready', flush=True)\nwhile not stopping.any_stop(): time.sleep(0.01)\n"
+              "print(stopping.reason(None), flush=True)\ntime.sleep(30)\n")
+    env = {**os.environ, WORKER_PRELOAD: "distributed"}
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.stdout.readline().strip() == stopping.TERM_REASON and proc.poll() is None
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(10) == -signal.SIGTERM
+    plain = subprocess.run([sys.executable, "-c", "from hpc_garage.cluster import stopping; stopping.hold_term(); "
+                            "import signal; print(signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)"], capture_output=True,
+                           text=True, env={k: v for k, v in os.environ.items() if k != WORKER_PRELOAD})
+    assert plain.stdout.strip() == "True"  # not a worker: nothing held
+
+
+def test_a_sigterm_notice_records_the_trials_and_submits_no_follow_up(tmp_path: Path) -> None:
+    """Preemption: the batch system requeues the job (or `resume` continues it): no follow-up job beside it.
+    A notice from another job (a jobqueue worker job's SIGTERM) is not this job's."""
+    said: list[str] = []
+    submitted: list[str] = []
+    ending = WindDown(site(requeue="auto"), "42", None, lambda: submitted.append("n") or "43", lambda other: None,
+                      results=tmp_path)
+    ending.bind(said.append, lambda **kw: None)
+    ending._notice({"job": "41"})
+    assert not ending.noticed
+    ending._notice({"job": "42", "at": 1.0})
+    assert ending.noticed and ending._warning == stopping.TERM_REASON
+    ending.stopped = True
+    ending._decide([Unfinished("k1", "train", started=0.0, checkpoint=10.0, step=10)])
+    assert not submitted and ending.next_job is None and ending.exit_code(143) == EX_TEMPFAIL
+    assert any("no follow-up job: the batch system is ending this job (SIGTERM)" in line for line in said), said
+    assert json.loads((tmp_path / stopping.TRIALS_DIR / "k1.json").read_text())["step"] == 10

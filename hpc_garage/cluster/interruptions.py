@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hpc_garage.core.sweep import CHECKPOINTS_DIR
+
 NEVER_CHECKPOINTS = "longer than the walltime and never checkpoints"
 
 
@@ -65,6 +67,18 @@ def follow_up_needed(records: list[dict[str, Any]], new_results: int) -> bool:
     """Whether another job would get further: this one stored a result, or some interrupted trial made
     progress or may still be continued."""
     return new_results > 0 or any(r["interruptions"][-1]["progress"] or "gave_up" not in r for r in records)
+
+
+def unfinished_trial(key: str, info: dict[str, Any] | None, results: Path | None, told: float,
+                ended: float | None) -> Unfinished:
+    """A trial the job's end interrupted, with its newest checkpoint (what its directory holds)."""
+    if info is None:
+        task = str(key).rsplit("-", 1)[0]
+        return Unfinished(f"task:{task}", task, told, None, ended)
+    checkpoint = newest(results / CHECKPOINTS_DIR / str(info["key"])) if results is not None else None
+    step = info.get("step")
+    return Unfinished(str(info["key"]), str(info["task"]), float(info["started"]), checkpoint, ended,
+                      int(step) if isinstance(step, int) else None)
 
 
 def newest(path: Path) -> float | None:
