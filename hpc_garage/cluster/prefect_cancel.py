@@ -15,7 +15,7 @@ from hpc_garage.prefect_api import PrefectApi
 logger = logging.getLogger(__name__)
 
 POLL_SECONDS = 5.0
-FINAL = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
+KEPT = ("COMPLETED", "CANCELLED")  # what settle leaves; a Crashed or Failed flow run was ended by the cancel
 REASON = "cancelled in Prefect"
 
 
@@ -45,12 +45,13 @@ class PrefectCancel:
         return bool(self.cancelling)
 
     def settle(self) -> None:
-        """The wind-down is done: the Cancelling flow runs end Cancelled (before COMMAND is stopped, so that
-        its engine's last word, Crashed, does not stand)."""
+        """The wind-down is done and COMMAND has ended: the Cancelling flow runs end Cancelled, also one that its
+        engine ended Crashed (stopped, or its interrupted trials ended the flow: the cancel did), but not one
+        that completed."""
         for flow_run in self.cancelling if self._client is not None else []:
             try:
                 state = self._client.get(f"/flow_runs/{flow_run}").get("state_type")
-                if state not in FINAL:
+                if state not in KEPT:
                     self._client.post(f"/flow_runs/{flow_run}/set_state", {
                         "state": {"type": "CANCELLED", "message": "Cancelled: the job wound down (hpc-garage)"},
                         "force": True})

@@ -169,6 +169,8 @@ class WindDown:
         Interrupted ends the flow)."""
         if self.winding and self._task is not None and not self._task.done():
             await asyncio.wait([self._task], timeout=timeout)
+        if self.prefect is not None and self.prefect.cancelling:  # COMMAND has ended: its engine said its last
+            await asyncio.get_running_loop().run_in_executor(None, self.prefect.settle)
 
     async def _watch(self, scheduler: Any, proc: asyncio.subprocess.Process) -> None:
         """Wind down at `end - margin - longest trial`: a trial started before then finishes before
@@ -254,8 +256,6 @@ class WindDown:
                       for key in running
                       if (_run_id(key) in known or key in started) and _state(scheduler, key) != "memory"]
         await loop.run_in_executor(None, self._decide, unfinished)
-        if self.prefect is not None and self.prefect.cancelling:
-            await loop.run_in_executor(None, self.prefect.settle)
         if proc.returncode is None:
             self.stopped = True
             self._say("stopping COMMAND: this job's part of the sweep is done; finished trials are kept")
