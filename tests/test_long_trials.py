@@ -194,7 +194,7 @@ def test_preemption_winds_the_job_down_in_its_grace_and_the_requeued_job_continu
     marks = tmp_path / "marks"
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and not (len(attempts(marks)) == 2 and
-                                               all(r[-1]["step"] >= 8 for r in attempts(marks).values())):
+                                               all(r and r[-1]["step"] >= 8 for r in attempts(marks).values())):
         time.sleep(1)
     node = subprocess.run(["squeue", "-h", "-j", job, "-o", "%N"], capture_output=True, text=True).stdout.strip()
     high = subprocess.run(["sbatch", "--parsable", "--partition=high", "--exclusive", f"--nodelist={node}",
@@ -231,7 +231,7 @@ def test_a_cancel_in_prefect_winds_a_submitted_job_down_and_the_flow_run_ends_ca
     marks, state_file = tmp_path / "marks", tmp_path / "runs" / job / "state.json"
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and not (len(attempts(marks)) == 2 and
-                                               all(r[-1]["step"] >= 8 for r in attempts(marks).values())):
+                                               all(r and r[-1]["step"] >= 8 for r in attempts(marks).values())):
         time.sleep(1)
     prefect = json.loads(state_file.read_text())["progress"]["prefect"]
     auth = hpcg(["server", "auth"], tmp_path).stdout.strip()
