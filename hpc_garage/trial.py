@@ -107,6 +107,7 @@ def report(step: int, **metrics: float) -> None:
     if header is None:  # a plain Dask task, not a Prefect task run: no trial to report for
         return
     run_id, now = header["run"], time.time()
+    stopping.note_step(run_id, int(step))  # the progress a wind-down counts: the step the trial states
     number, previous = _numbers.get(run_id, (0, 0.0))
     number += 1
     _numbers[run_id] = (number, now)

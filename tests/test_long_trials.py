@@ -179,3 +179,71 @@ def test_the_same_script_runs_on_a_login_node_and_outside_hpc_garage(tmp_path: P
                            cwd=tmp_path, env={**env, "HPC_GARAGE_SITE": str(site)}, timeout=300)
     assert plain.returncode == 0, plain.stdout + plain.stderr
     assert len(list((tmp_path / ".hpc-garage-checkpoints").iterdir())) == 2  # outside hpc-garage: a local one
+
+
+def test_preemption_winds_the_job_down_in_its_grace_and_the_requeued_job_continues(tmp_path: Path) -> None:
+    """Issue 31: the local SLURM's `low` partition is preempted by `high` (PreemptMode=REQUEUE, GraceTime=30:
+    SIGTERM to the job's steps, the kill 30 s later). Two 60-s trials that checkpoint every 20 steps and on
+    should_stop(): the SIGTERM winds the job down, each trial saves, the job is requeued under the same id, and
+    the sweep completes from the checkpoints: no trial lost or run from zero, <= 15 s of work lost per trial."""
+    site = site_file(tmp_path, "requeue: auto\ncheckpoint_grace: 20s\n")
+    site.write_text(site.read_text().replace("queue: gpu", "queue: low"))
+    done = submit_long(tmp_path, site, 60, 20, "--time", "10")
+    assert done.returncode == 0, done.stdout + done.stderr + job_logs(tmp_path / "runs")
+    job = re.search(r"submitted job (\S+)", done.stdout).group(1)
+    marks = tmp_path / "marks"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and not (len(attempts(marks)) == 2 and
+                                               all(r and r[-1]["step"] >= 8 for r in attempts(marks).values())):
+        time.sleep(1)
+    node = subprocess.run(["squeue", "-h", "-j", job, "-o", "%N"], capture_output=True, text=True).stdout.strip()
+    high = subprocess.run(["sbatch", "--parsable", "--partition=high", "--exclusive", f"--nodelist={node}",
+                           f"--output={tmp_path / 'high-%j.out'}", "--wrap", "sleep 3"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    wait_gone(high, 240)
+    deadline = time.monotonic() + 600  # the requeued job waits out Slurm's requeue delay, then runs the rest
+    while time.monotonic() < deadline and not (tmp_path / "out.json").exists():
+        time.sleep(2)
+    assert (tmp_path / "out.json").exists(), job_logs(tmp_path / "runs")
+    assert json.loads((tmp_path / "out.json").read_text())["result"] == 1
+    restarts = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
+    assert "Restarts=1" in restarts, restarts  # requeued once, under the same id
+    stopped = [json.loads(p.read_text()) for p in marks.glob("stopped-*")]
+    assert len(stopped) == 2 and all(s["why"].startswith("signal SIGTERM") for s in stopped), stopped
+    for i, runs in attempts(marks).items():
+        print(f"trial {i}: {runs}")
+        assert len(runs) == 2, runs  # interrupted once, continued once: never run again from zero
+        assert runs[1]["from"] > 0 and runs[0]["step"] - runs[1]["from"] <= 15, runs
+        assert runs[1]["step"] == 60, runs
+
+
+def test_a_cancel_in_prefect_winds_a_submitted_job_down_and_the_flow_run_ends_cancelled(tmp_path: Path) -> None:
+    """Issue 31: the Cancel button (here: the API's set_state CANCELLING, as the UI and `prefect flow-run
+    cancel` do) on a flow run that `hpc-garage submit` started: `run` sees it, winds the job down as `hpc-garage
+    cancel` does (the trials save on should_stop(); no follow-up job even with `requeue: auto`), and the flow
+    run ends Cancelled."""
+    from hpc_garage.prefect_api import PrefectApi
+
+    site = site_file(tmp_path, "requeue: auto\ncheckpoint_grace: 20s\n")
+    done = submit_long(tmp_path, site, 45, 30, "--time", "10")
+    assert done.returncode == 0, done.stdout + done.stderr + job_logs(tmp_path / "runs")
+    job = re.search(r"submitted job (\S+)", done.stdout).group(1)
+    marks, state_file = tmp_path / "marks", tmp_path / "runs" / job / "state.json"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and not (len(attempts(marks)) == 2 and
+                                               all(r and r[-1]["step"] >= 8 for r in attempts(marks).values())):
+        time.sleep(1)
+    prefect = json.loads(state_file.read_text())["progress"]["prefect"]
+    auth = hpcg(["server", "auth"], tmp_path).stdout.strip()
+    api = PrefectApi.from_env({"PREFECT_API_URL": prefect["api"], "PREFECT_API_AUTH_STRING": auth})
+    (flow_run,) = [r["id"] for r in prefect["flow_runs"]]
+    api.post(f"/flow_runs/{flow_run}/set_state", {"state": {"type": "CANCELLING", "message": "the test"},
+                                                  "force": True})
+    wait_gone(job, 120)
+    stopped = [json.loads(p.read_text()) for p in marks.glob("stopped-*")]
+    assert len(stopped) == 2 and all(s["why"] == "cancelled in Prefect" and s["step"] >= 8 for s in stopped), stopped
+    assert api.get(f"/flow_runs/{flow_run}")["state_type"] == "CANCELLED"
+    state = json.loads(state_file.read_text())
+    assert state.get("cancelled") and not state.get("next_job") and state["interrupted"] == 2, state
+    assert len(sweep_record(tmp_path)["epochs"]["1"]["jobs"]) == 1  # no follow-up job
+    assert state.get("exit_code") == 143, state  # ends as a cancelled job does

@@ -349,8 +349,13 @@ def test_a_deployment_run_is_one_job_and_completes_with_every_gpu_trial_on_its_o
 
 @pytest.mark.slurm
 @pytest.mark.slow
-def test_cancel_through_the_api_cancels_the_job_and_the_flow_run_ends_cancelled(garage: Garage) -> None:
-    flow_run_id = garage.run({"seeds": 4, "duration": 120}, {"nodes": 1, "gpus_per_node": 2})
+def test_cancel_through_the_api_cancels_the_job_and_the_flow_run_ends_cancelled(garage: Garage,
+                                                                                 tmp_path: Path) -> None:
+    """Prefect's cancel winds the job down as `hpc-garage cancel` does (issue 31): its trials are told to stop
+    and get the site's checkpoint_grace (5 s here: these trials never checkpoint), then the job ends."""
+    site = tmp_path / "lab-gpu-grace.yaml"
+    site.write_text((ROOT / "site-configs" / "lab-gpu.yaml").read_text() + "checkpoint_grace: 5s\n")
+    flow_run_id = garage.run({"seeds": 4, "duration": 120}, {"site": str(site), "nodes": 1, "gpus_per_node": 2})
     job = garage.running(flow_run_id)
     cancelled = time.monotonic()
     garage.call("POST", f"/flow_runs/{flow_run_id}/set_state",
@@ -360,6 +365,10 @@ def test_cancel_through_the_api_cancels_the_job_and_the_flow_run_ends_cancelled(
         time.sleep(1)
     run = garage.wait(flow_run_id, lambda r: r["state_type"] == "CANCELLED", 30, "Cancelled")
     assert run["state_type"] == "CANCELLED"
+    ended = json.loads((garage.home / ".hpc-garage" / "runs" / job / "state.json").read_text())
+    assert ended.get("cancelled") is True and ended.get("wind_down") in (  # the worker's signal, or `run` asked
+        "cancelled (`hpc-garage cancel`)", "cancelled in Prefect"), ended
+    assert ended.get("interrupted") == 2 and ended.get("next_job") is None, ended  # both running trials told
     time.sleep(3)
     left = subprocess.run(["pgrep", "-f", flow_run_id], capture_output=True, text=True).stdout.split()
     assert not left, f"processes of the cancelled flow run are left: {left}"

@@ -30,6 +30,7 @@ from hpc_garage.launchers.common import (Launcher, Preload, end_process, listeni
                                         worker_preload)
 from hpc_garage.core.layout import Layout, layout
 from hpc_garage.cluster.sweep import RunSweep, join_sweep
+from hpc_garage.cluster.prefect_cancel import PrefectCancel
 from hpc_garage.cluster.wind_down import WindDown
 from hpc_garage.core.site import Site
 from hpc_garage.prefect_api import PrefectApi, no_proxy_for, server_host
@@ -190,6 +191,8 @@ async def _serve(site: Site, layout_: Layout, launcher: Launcher, rundir: RunDir
         logger.info(f"signal {interrupted[0]} before the workers were up: tearing down")
     finally:
         await _tear_down(run)
+        if ending is not None:
+            await ending.linger()  # preempted: the batch system ends (and requeues) the job, not `run`
     return run.code if run.code is not None else 128 + interrupted[0] if interrupted else 1
 
 
@@ -244,6 +247,8 @@ def _hand_over(run: _Run, expected: list[str], started: float) -> None:
     run.state("running", workers=len(expected))
     run.nodes.start(run.scheduler, run.launcher, run.layout, run.state.note, run.proc)
     if run.ending is not None:
+        if run.progress is not None:  # a Cancel in Prefect winds the job down too (cluster/prefect_cancel.py)
+            run.ending.prefect = PrefectCancel(run.api_env, run.progress.known_flow_runs)
         run.ending.start(run.scheduler, run.proc)
 
 

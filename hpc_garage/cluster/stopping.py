@@ -6,6 +6,11 @@ Dask's own `run` op (compat.run_on_workers) when the job winds down. Which trial
 sweep cache (prefect/sweep_cache.py notes each trial's result key as Prefect computes it, by task run id);
 the wind-down keys its record of interruptions by it, across jobs.
 
+The batch system's SIGTERM (Slurm's preemption notice reaches the job's steps, scancel and PBS's qdel every
+process) does not end a worker at once: its trials are told to stop (`hold_term`), while its node process tells
+`run`, whose wind-down gives them the time left (launchers/mpi.py, cluster/wind_down.py). A second SIGTERM ends
+the worker as before (so does distributed's own escalation: SIGTERM, then SIGKILL).
+
 A reason is kept per trial (`None`: every trial of this process), so that another stop reason for one trial
 (a pruner's "pruned": prefect/metrics.py sends it to that trial's worker) can be added beside the job's own.
 """
@@ -13,6 +18,8 @@ A reason is kept per trial (`None`: every trial of this process), so that anothe
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import threading
 import time
 from collections import OrderedDict
@@ -20,19 +27,22 @@ from collections.abc import Callable
 from typing import Any
 
 from hpc_garage.core.sweep import CHECKPOINTS_DIR, TRIALS_DIR
+from hpc_garage.variables import WORKER_PRELOAD
 
 __all__ = ["CHECKPOINTS_DIR", "REPORT_TOPIC", "TRIALS_DIR", "answering", "answers", "any_stop", "decided",
-           "note_trial", "on_stop", "reason", "stop", "stop_trials", "trial", "wait_answer", "waits_at"]
+           "known_trials", "note_step", "note_trial", "on_stop", "reason", "hold_term", "stop", "stop_trials", "trial", "wait_answer",
+           "waits_at"]
 
 logger = logging.getLogger(__name__)
 
 KEEP = 4096  # trials remembered per process: far more than run at once on one worker
 REPORT_TOPIC = "hpc-garage-report"  # the Dask event topic of trial.report(); the flow's process subscribes to it
+TERM_REASON = "signal SIGTERM: the job is ending (preemption, cancel)"
 
 _stopping = threading.Event()  # set once any stop reason is known here: the cheap test
 _reasons: dict[str | None, str] = {}  # trial (task run id hex) or None (every trial) -> why it should stop
 _callbacks: list[Callable[[str], None]] = []
-_trials: OrderedDict[str, dict[str, Any]] = OrderedDict()  # task run id hex -> {key, task, started, asked}
+_trials: OrderedDict[str, dict[str, Any]] = OrderedDict()  # task run id hex -> {key, task, started, asked, step}
 _lock = threading.Lock()
 
 
@@ -86,12 +96,46 @@ def trial(run_id: str) -> dict[str, Any] | None:
         return _trials.get(run_id)
 
 
+def note_step(run_id: str, step: int) -> None:
+    """The trial reported `step` (trial.report): the progress the wind-down counts (cluster/interruptions.py).
+    One dictionary look-up per report; a trial the sweep cache does not know is not kept."""
+    known = _trials.get(run_id)
+    if known is not None and step > known.get("step", -1):
+        known["step"] = step
+
+
 def stop_trials(why: str, run_ids: list[str]) -> dict[str, dict[str, Any]]:
     """Run on each worker by the wind-down: tell every trial here to stop; answer what is known of those of
     `run_ids` (the tasks the scheduler sees executing) that run here."""
     stop(why)
+    return known_trials(run_ids)
+
+
+def known_trials(run_ids: list[str]) -> dict[str, dict[str, Any]]:
+    """What is known of those of `run_ids` that run here (the wind-down asks again once they stopped: their
+    last step)."""
     with _lock:
         return {run_id: dict(_trials[run_id]) for run_id in run_ids if run_id in _trials}
+
+
+def hold_term() -> None:
+    """In a worker's forkserver (prefect/worker.py, which every worker process inherits), not elsewhere: the
+    first SIGTERM tells this process's trials to stop instead of ending it."""
+    if os.environ.get(WORKER_PRELOAD) and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_term)
+
+
+_term_seen = threading.Event()
+
+
+def _on_term(signum: int, frame: Any) -> None:
+    """The signal handler: no lock taken here (the interrupted thread may hold one); a thread says stop."""
+    if _term_seen.is_set():  # the second: end as SIGTERM ends a process
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+    _term_seen.set()
+    threading.Thread(target=stop, args=(TERM_REASON,), name="hpc-garage-sigterm", daemon=True).start()
 
 
 # ---- the pruner's answer to a report: Ray Tune's trials wait in tune.report() until its scheduler decided;
@@ -157,3 +201,4 @@ def reset() -> None:
         _wait_from.clear()
         _answering.clear()
         _stopping.clear()
+        _term_seen.clear()

@@ -10,16 +10,23 @@ the site's warning signal) it winds down:
    they would be killed, so that a trial that checkpoints saves its state and raises `Interrupted`;
 2. when the running trials are done (their results are persisted, core/sweep.py), or `grace` seconds
    before the end, each trial still unfinished is recorded as interrupted (`.trials/<key>.json` in the
-   epoch's results: how often, whether it wrote a new checkpoint since it started, the work lost since
+   epoch's results: how often, whether it made progress (its reported step) since, the work lost since
    its last one);
 3. with the site's `requeue: auto`, a follow-up job is submitted from this job's own script, to start once
    this job has ended (`afterany`), so the sweep goes on with nobody watching: but only where this job got
-   somewhere (a trial finished or checkpointed) or an interrupted trial may still be continued. A trial
-   interrupted more than `max_continuations` jobs in a row without a new checkpoint is not: when only such
-   trials are left, the chain ends, naming them ("longer than the walltime and never checkpoints"), and
-   `run` exits EX_TEMPFAIL;
+   somewhere (a trial finished or made progress) or an interrupted trial may still be continued. A trial
+   interrupted more than `max_continuations` jobs in a row without progress (the step it reports:
+   cluster/interruptions.py) is not: when only such trials are left, the chain ends, naming them ("longer
+   than the walltime and never checkpoints", "no step past 40 in 3 jobs in a row"), and `run` exits
+   EX_TEMPFAIL;
 4. COMMAND is stopped and `run` tears down as usual.
 A COMMAND that finishes on its own meanwhile finished the sweep: the follow-up job is cancelled.
+
+The batch system's SIGTERM to the job's steps (Slurm's preemption notice with a GraceTime; it reaches `run`
+only with the kill) winds it down at once: each node process tells the scheduler (launchers/mpi.py, a Dask
+event), the workers' trials already see `should_stop()` (cluster/stopping.py), and the end is asked again
+(preemption moves it to now + GraceTime). No follow-up job: the batch system requeues the job (the same job
+id runs again and continues the sweep) or `hpc-garage resume` does.
 
 `hpc-garage cancel` of a running job winds it down the same way: it marks the run directory
 (`RunDir.request_cancel`) and sends WIND_DOWN_SIGNAL (schedulers/base.py) to the batch shell, which is `run`.
@@ -33,22 +40,25 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpc_garage.cluster.stopping import CHECKPOINTS_DIR, TRIALS_DIR
+from hpc_garage.cluster.interruptions import (NEVER_CHECKPOINTS, Unfinished, follow_up_needed, interruption,
+                                             unfinished_trial)
+from hpc_garage.cluster.prefect_cancel import REASON as PREFECT_REASON
+from hpc_garage.cluster.stopping import TERM_REASON, TRIALS_DIR
 from hpc_garage.core.site import Site
 from hpc_garage.files import write_private
+from hpc_garage.launchers.common import NOTICE_TOPIC
 
 EX_TEMPFAIL = 75  # sysexits: the sweep stopped short and can be resumed
 EX_CANCELLED = 128 + signal.SIGTERM  # `hpc-garage cancel`: what a job scancel/qdel killed exits with
 RECHECK_SECONDS = 300.0  # the time left is asked again this often (an admin may extend a job)
 TICK_SECONDS = 2.0
+LINGER_SECONDS = 60.0  # after a preemption notice: waited past the job's end for the batch system to end it
 WARNING_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGURG)  # SIGURG: also `hpc-garage cancel`'s
 CANCEL_REASON = "cancelled (`hpc-garage cancel`)"
 
@@ -67,50 +77,6 @@ def lead_for(margin: float, checkpoint_grace: float, limit: float) -> float:
     checkpoint grace would not fit before they are killed (`margin / 2` before the end); never more than
     half the limit."""
     return min(max(margin, checkpoint_grace + margin / 2), max(margin, limit / 2))
-
-
-NEVER_CHECKPOINTS = "longer than the walltime and never checkpoints"
-
-
-@dataclass(frozen=True)
-class Unfinished:
-    """A trial still running when its job wound down, as the job saw it end."""
-
-    trial: str  # its result key (the sweep cache's), or `task:<name>` for a task the sweep does not cache
-    task: str
-    started: float  # when it started in this job (epoch seconds)
-    checkpoint: float | None  # when its newest checkpoint was written, if it has one
-    ended: float | None = None  # when it stopped (raised Interrupted); None: it ran until the job's end
-
-
-def interruption(before: dict[str, Any] | None, trial: Unfinished, job_id: str, now: float,
-                 max_continuations: int) -> dict[str, Any]:
-    """The trial's record after this interruption. Progress: a checkpoint newer than the one its last
-    interruption saw (file times against file times: the shared storage's clock, never a node's); the work
-    lost: the time since its newest checkpoint (since its start, without progress). Given up: more than
-    `max_continuations` interruptions in a row without progress."""
-    record = dict(before or {"task": trial.task, "trial": trial.trial, "interruptions": []})
-    seen = record.get("checkpoint")
-    progress = trial.checkpoint is not None and (seen is None or trial.checkpoint > float(seen))
-    if trial.checkpoint is not None:
-        record["checkpoint"] = trial.checkpoint
-    lost = (trial.ended or now) - (trial.checkpoint if progress and trial.checkpoint is not None else trial.started)
-    record["interruptions"] = [*record.get("interruptions", []),
-                               {"job": job_id, "at": now, "progress": progress, "lost": round(max(lost, 0.0), 1)}]
-    record["without_progress"] = 0 if progress else int(record.get("without_progress", 0)) + 1
-    record["checkpointed"] = bool(record.get("checkpointed")) or trial.checkpoint is not None
-    if record["without_progress"] > max_continuations:
-        record["gave_up"] = (NEVER_CHECKPOINTS if not record["checkpointed"]
-                             else f"no new checkpoint in {record['without_progress']} jobs in a row")
-    else:
-        record.pop("gave_up", None)
-    return record
-
-
-def follow_up_needed(records: list[dict[str, Any]], new_results: int) -> bool:
-    """Whether another job would get further: this one stored a result, or some interrupted trial made
-    progress or may still be continued."""
-    return new_results > 0 or any(r["interruptions"][-1]["progress"] or "gave_up" not in r for r in records)
 
 
 class WindDown:
@@ -132,6 +98,9 @@ class WindDown:
         self._cancel = cancel
         self._cancel_requested = cancel_requested or (lambda: False)  # `hpc-garage cancel` marked the job
         self.cancelling = False  # ... and the wind-down saw it: no follow-up job, the exit code of a cancel
+        self.noticed = False  # the batch system's SIGTERM reached the job's steps: no follow-up job either
+        self.prefect: Any = None  # cluster/prefect_cancel.py: a Cancel in Prefect winds down as `cancel` does
+        self._kill_at: float | None = None  # after a notice: when the batch system ends the job (monotonic)
         self._say: Callable[[str], None] = logger.info  # the job log
         self._note: Callable[..., None] = lambda **kw: None  # state.json
         self._warned = asyncio.Event()
@@ -158,7 +127,14 @@ class WindDown:
 
     def start(self, scheduler: Any, proc: asyncio.subprocess.Process) -> None:
         self._note(checkpoint_grace=float(self.site.checkpoint_grace))  # `cancel` gives the trials as long
+        scheduler.add_plugin(_notices(self._notice), name=NOTICE_TOPIC, idempotent=True)
         self._task = asyncio.ensure_future(self._watch(scheduler, proc))
+
+    def _notice(self, msg: Any) -> None:
+        """A node process got the batch system's SIGTERM (this job's, not a worker job's)."""
+        if isinstance(msg, dict) and str(msg.get("job")) == self.job_id and not self.noticed:
+            self.noticed = True
+            self.warn(TERM_REASON)
 
     def cancel(self) -> None:
         if self._task is not None and not self._task.done():
@@ -178,11 +154,23 @@ class WindDown:
             return EX_CANCELLED
         return 0 if self.next_job is not None else EX_TEMPFAIL
 
+    async def linger(self) -> None:
+        """After the batch system's SIGTERM (preemption), `run` does not end the job itself: Slurm requeues a
+        preempted job (PreemptMode=REQUEUE) only if it kills it; one that exits first has ended. At most until
+        the job's end as last asked, plus LINGER_SECONDS (a notice the batch system does not follow)."""
+        if not self.noticed:
+            return
+        self._say("waiting for the batch system to end this job (it requeues or cancels a preempted job)")
+        left = (self._kill_at - time.monotonic()) if self._kill_at is not None else 0.0
+        await asyncio.sleep(max(0.0, left) + LINGER_SECONDS)
+
     async def settled(self, timeout: float = 600.0) -> None:
         """Once winding down, until the wind-down has decided (COMMAND may end first: a trial that raised
         Interrupted ends the flow)."""
         if self.winding and self._task is not None and not self._task.done():
             await asyncio.wait([self._task], timeout=timeout)
+        if self.prefect is not None and self.prefect.cancelling:  # COMMAND has ended: its engine said its last
+            await asyncio.get_running_loop().run_in_executor(None, self.prefect.settle)
 
     async def _watch(self, scheduler: Any, proc: asyncio.subprocess.Process) -> None:
         """Wind down at `end - margin - longest trial`: a trial started before then finishes before
@@ -194,14 +182,25 @@ class WindDown:
             now = time.monotonic()
             if end is not None and now >= end - self._lead - _longest_trial(scheduler, margin):
                 break
+            if self.prefect is not None and self.prefect.due() and await loop.run_in_executor(None, self.prefect.poll):
+                self.cancelling = True
+                self._note(cancelled=True)
+                self.warn(PREFECT_REASON)
+                break
             try:
-                await asyncio.wait_for(self._warned.wait(), timeout=TICK_SECONDS if end is not None else RECHECK_SECONDS)
+                await asyncio.wait_for(self._warned.wait(), timeout=TICK_SECONDS if end is not None or self.prefect
+                                   else RECHECK_SECONDS)
             except asyncio.TimeoutError:
                 if time.monotonic() - asked >= RECHECK_SECONDS:
                     end, margin = await self._end(loop)  # the limit may have changed (scontrol update)
                     asked = time.monotonic()
         why = self._warning or f"walltime: {max(0.0, (end or 0) - time.monotonic()):.0f} s left"
-        if self._is_cancelled():
+        if self.noticed:  # preemption moved the job's end: ask it again
+            end, margin = await self._end(loop)
+            self._kill_at = end
+            if end is not None:
+                margin = min(margin, 2 * (end - time.monotonic()) / 3)  # COMMAND stopped a third before it
+        if self._is_cancelled() and why != PREFECT_REASON:
             why = CANCEL_REASON
         await self._wind_down(scheduler, proc, why, end, margin, loop)
 
@@ -252,7 +251,9 @@ class WindDown:
                 break
             await asyncio.sleep(0.5)
         started = {str(ts.key) for ws in scheduler.workers.values() for ts in ws.executing}
-        unfinished = [_unfinished(key, known.get(_run_id(key)), self.results, told, ended.get(key)) for key in running
+        known |= await _known(scheduler, [_run_id(k) for k in running])  # their last steps, now they stopped
+        unfinished = [unfinished_trial(key, known.get(_run_id(key)), self.results, told, ended.get(key))
+                      for key in running
                       if (_run_id(key) in known or key in started) and _state(scheduler, key) != "memory"]
         await loop.run_in_executor(None, self._decide, unfinished)
         if proc.returncode is None:
@@ -279,6 +280,10 @@ class WindDown:
         if self._is_cancelled():
             self._say("no follow-up job: the job is being cancelled; `hpc-garage resume "
                       f"{self.job_id}` continues the sweep" + (" from the trials' checkpoints" if records else ""))
+            return
+        if self.noticed:
+            self._say("no follow-up job: the batch system is ending this job (SIGTERM); a requeued job continues "
+                      f"the sweep, else `hpc-garage resume {self.job_id}`")
             return
         if self._follow_up is None:
             return
@@ -328,6 +333,18 @@ class WindDown:
         return record
 
 
+def _notices(heard: Callable[[Any], None]) -> Any:
+    """A scheduler plugin that hands `heard` each NOTICE_TOPIC event (distributed imported here, not above)."""
+    from distributed.diagnostics.plugin import SchedulerPlugin
+
+    class Notices(SchedulerPlugin):
+        def log_event(self, topic: str, msg: Any) -> None:
+            if topic == NOTICE_TOPIC:
+                heard(msg)
+
+    return Notices()
+
+
 def _run_id(key: str) -> str:
     """A task's Prefect task run id (hex) from its Dask key, `<task name>-<task run id hex>` (prefect/fast.py)."""
     return str(key).rsplit("-", 1)[-1]
@@ -350,27 +367,16 @@ def _note_ended(scheduler: Any, running: list[str], ended: dict[str, float]) -> 
             ended[key] = time.time()
 
 
-def _unfinished(key: str, info: dict[str, Any] | None, results: Path | None, told: float,
-                ended: float | None) -> Unfinished:
-    """A trial the job's end interrupted, with its newest checkpoint (what its directory holds)."""
-    if info is None:
-        task = str(key).rsplit("-", 1)[0]
-        return Unfinished(f"task:{task}", task, told, None, ended)
-    checkpoint = _newest(results / CHECKPOINTS_DIR / str(info["key"])) if results is not None else None
-    return Unfinished(str(info["key"]), str(info["task"]), float(info["started"]), checkpoint, ended)
+async def _known(scheduler: Any, run_ids: list[str]) -> dict[str, dict[str, Any]]:
+    """What the workers know of these trials now; nothing from a worker that does not answer."""
+    from hpc_garage.cluster.stopping import known_trials
+    from hpc_garage.compat import run_on_workers
 
-
-def _newest(path: Path) -> float | None:
-    """When anything under `path` was last written; None for nothing there."""
-    newest = None
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            try:
-                mtime = os.stat(os.path.join(root, name)).st_mtime
-            except OSError:
-                continue
-            newest = mtime if newest is None else max(newest, mtime)
-    return newest
+    try:
+        answers = await run_on_workers(scheduler, known_trials, run_ids, timeout=3.0)
+    except Exception:  # noqa: BLE001 - the first answer stands
+        return {}
+    return {run_id: info for answer in answers.values() for run_id, info in (answer or {}).items()}
 
 
 def _results_in(results: Path | None) -> int:

@@ -178,7 +178,7 @@ class Site(_Strict):
     walltime_margin: Seconds | None = None  # wind down this long before the job's end ("10min", "0:30"; a bare number is minutes, as walltime); default 5 % of its limit, 30 s to 10 min
     warning_signal: str | None = Field(None, pattern=r"^(USR1|USR2|URG|TERM)@[1-9][0-9]{0,5}$")  # SLURM: ask for SIG@SECONDS before the end
     checkpoint_grace: Seconds = 60  # at a wind-down, running trials see hpc_garage.trial.should_stop() this long before they are killed, to save a checkpoint ("2min", "90s"; a bare number is minutes)
-    max_continuations: int = Field(2, ge=0)  # an interrupted trial is continued at most this many times in a row without writing a new checkpoint; then the job chain stops
+    max_continuations: int = Field(2, ge=0)  # an interrupted trial is continued at most this many times in a row without progress (a step reported past its last one, with a checkpoint); then the job chain stops
     setup: list[str] = Field(default_factory=list)  # shell lines at the top of the job script (module load, activate)
     directives: list[str] = Field(default_factory=list)  # extra #SBATCH / #PBS options, e.g. --constraint=a100
     env: dict[str, str] = Field(default_factory=dict)  # exported to the rank launcher and every worker

@@ -242,6 +242,21 @@ async def end_process(proc: asyncio.subprocess.Process, steps: Iterable[tuple[in
             await asyncio.wait_for(proc.wait(), wait)
 
 
+NOTICE_TOPIC = "hpc-garage-notice"  # the Dask event a node process sends `run` on the batch system's SIGTERM
+
+
+async def tell_scheduler_of_term(address: str, security: Any, job: str | None) -> None:
+    """The batch system sent this node's step SIGTERM (Slurm's preemption notice goes to the steps, not to
+    `run`): say so to the scheduler, whose wind-down (cluster/wind_down.py) gives the trials the time left.
+    Best effort: a scheduler that does not answer within 10 s is not told."""
+    from distributed.core import rpc
+
+    args = security.get_connection_args("worker") if security is not None else {}
+    with contextlib.suppress(Exception):
+        async with rpc(address, connection_args=args) as scheduler:
+            await asyncio.wait_for(scheduler.log_event(topic=NOTICE_TOPIC, msg={"job": job, "at": time.time()}), 10)
+
+
 def run_entry(main: Callable[[], int]) -> None:
     """`python -m` entry of a process a launcher starts (a node, a rank, a worker job): its `hpc-garage: ...`
     lines go to its stderr, the job log (hpc_garage/log.py); a user error is one line there and exit 2."""

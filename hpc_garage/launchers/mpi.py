@@ -37,11 +37,12 @@ from typing import TYPE_CHECKING, Any
 
 from hpc_garage.core.errors import UserError
 from hpc_garage.launchers.common import (Launcher, end_process, forkserver_env, local_directory, node_gpus, run_entry,
-                                        security_from, start_worker_forkserver, worker_options, worker_preload)
+                                        security_from, start_worker_forkserver, tell_scheduler_of_term,
+                                        worker_options, worker_preload)
 from hpc_garage.core.gpus import vendor_of
 from hpc_garage.core.layout import Layout, WorkerSpec, pin_gpus
 from hpc_garage.variables import CPUS_ENV
-from hpc_garage.schedulers import for_allocation, node_name, node_rank
+from hpc_garage.schedulers import for_allocation, job_id, node_name, node_rank
 
 if TYPE_CHECKING:
     from hpc_garage.rundir import RunDir
@@ -217,9 +218,25 @@ async def _serve_node(data: dict[str, Any], mine: list[tuple[WorkerSpec, dict[st
         options = worker_options(spec, **extra)
         options["env"] = env  # the pinned GPU ids win over the spec's own
         nannies.append(Nanny(address, **options))
+    _hold_term(address, security)
     await asyncio.gather(*(n.start() for n in nannies))
     await asyncio.gather(*(n.finished() for n in nannies))
     return 0
+
+
+def _hold_term(address: str, security: Any) -> None:
+    """The batch system's first SIGTERM to this step (Slurm's preemption notice, scancel, qdel) does not end this
+    node's workers: `run` is told, and winds the job down in the time left (its trials save their checkpoints).
+    A second SIGTERM ends this process as before; `run` ends it anyway once the job is wound down."""
+    loop = asyncio.get_running_loop()
+
+    def held() -> None:
+        loop.remove_signal_handler(signal.SIGTERM)
+        logger.info("signal SIGTERM: the job is ending; `run` is told and winds it down (a second SIGTERM ends "
+                    "this node's workers)")
+        asyncio.ensure_future(tell_scheduler_of_term(address, security, job_id(os.environ)))
+
+    loop.add_signal_handler(signal.SIGTERM, held)
 
 
 async def _scheduler_address(path: Path, timeout: float) -> str:

@@ -6,8 +6,12 @@ system, cancelling) is `schedulers/flow_run_jobs.py`; `hpc_garage.work_pool` han
 `jobs` (this layer never imports the schedulers) and registers the type with Prefect.
 
 Following: one loop for every job this worker follows asks the batch system once and Prefect's API once per
-tick. A flow run that is Cancelling has its job cancelled (scancel/qdel) and is set Cancelled once the job is
-gone. A job that ends while its flow run is not final (scancel from a shell, walltime, a lost node,
+tick. A flow run that is Cancelling (Prefect's Cancel: the UI, the API, `prefect flow-run cancel`) has its job
+wound down as `hpc-garage cancel` does: its running trials get their checkpoint grace, `on_stop` runs, no
+follow-up job is submitted; the job is cancelled (scancel/qdel) if it has not ended CANCEL_MARGIN after that,
+at once where it cannot wind down (not running yet) or where the flow run was set Cancelled outright (the
+hard cancel, as `hpc-garage cancel --now`). Once the job is gone, a follow-up job an earlier wind-down
+submitted is cancelled too and the flow run is set Cancelled. A job that ends while its flow run is not final (scancel from a shell, walltime, a lost node,
 preemption) has the flow run set Crashed with a reason naming the job; a job that `run` followed up (walltime,
 `requeue: auto`) is followed into its follow-up job, the flow run Pending meanwhile. The loop outlives an API
 that does not answer: jobs are kept and followed; the API is asked again next tick.
@@ -101,6 +105,7 @@ class _Followed:
     site: str
     done: asyncio.Future[None]
     cancelled: bool = False  # scancel/qdel sent for a Cancelling flow run
+    winding: float | None = None  # a Cancelling flow run's job winds down: scancel/qdel at this time.monotonic()
     quiet_ticks: int = 0  # ticks since the job ended with the flow run not final
 
 
@@ -232,12 +237,14 @@ class PoolWorker(BaseWorker[GarageJobConfiguration, GarageVariables, GarageResul
         state = run.state.type if run.state else None
         run_logger = self.get_flow_run_logger(run)
         if state in (StateType.CANCELLING, StateType.CANCELLED) and not view.finished and not f.cancelled:
-            f.cancelled = await anyio.to_thread.run_sync(self.jobs.cancel, f.job_id, f.site) or True
-            run_logger.info(f"flow run cancelled: job {f.job_id} cancelled")
+            await self._cancel(f, state, run_logger)
             return
         if not view.finished:
             return
-        if f.cancelled or state == StateType.CANCELLING:
+        if f.cancelled or f.winding is not None or state == StateType.CANCELLING:
+            follow_up = self.jobs.next_job_of(view)  # submitted by a wind-down before the cancel
+            if follow_up is not None and await anyio.to_thread.run_sync(self.jobs.cancel, follow_up.job_id, f.site):
+                run_logger.info(f"flow run cancelled: follow-up job {follow_up.job_id} cancelled too")
             if state != StateType.CANCELLED:
                 await self._set_state(run, Cancelled(message=f"Cancelled: job {f.job_id} was cancelled"))
             f.done.set_result(None)
@@ -264,6 +271,22 @@ class PoolWorker(BaseWorker[GarageJobConfiguration, GarageVariables, GarageResul
         await self._set_state(run, Crashed(message=message))
         run_logger.error(f"flow run crashed: {message}")
         f.done.set_result(None)
+
+    async def _cancel(self, f: _Followed, state: Any, run_logger: Any) -> None:
+        """A Cancelling flow run's job winds down first (its trials' checkpoint grace); Cancelled outright, a
+        job that cannot wind down, or one still running CANCEL_MARGIN after its grace, is cancelled now."""
+        if state == StateType.CANCELLING and f.winding is None:
+            grace = await anyio.to_thread.run_sync(self.jobs.wind_down, f.job_id, f.site)
+            if grace is not None:
+                f.winding = time.monotonic() + grace + self.jobs.CANCEL_MARGIN
+                run_logger.info(f"flow run cancelled: job {f.job_id} winds down; its running trials get {grace:.0f} s "
+                                f"(checkpoint_grace) to checkpoint (`hpc-garage cancel --now {f.job_id}` cancels it "
+                                "at once)")
+                return
+        if state == StateType.CANCELLING and f.winding is not None and time.monotonic() < f.winding:
+            return
+        f.cancelled = await anyio.to_thread.run_sync(self.jobs.cancel, f.job_id, f.site) or True
+        run_logger.info(f"flow run cancelled: job {f.job_id} cancelled")
 
     async def _set_state(self, flow_run: Any, state: Any) -> None:
         try:

@@ -16,12 +16,14 @@ from prefect.logging.configuration import ensure_logging_setup
 import hpc_garage.prefect.task_runner  # noqa: F401
 from hpc_garage.compat import rebuild_context_models
 import hpc_garage.prefect.fast  # noqa: F401
+from hpc_garage.cluster.stopping import hold_term
 
 
 def warm() -> None:
     """Prefect's one-time set-up of a process that runs tasks: logging, and the context models' rebuild."""
     ensure_logging_setup()
     rebuild_context_models()
+    hold_term()  # the batch system's first SIGTERM stops the trials, not the worker (cluster/stopping.py)
 
 
 warm()

@@ -36,11 +36,12 @@ from hpc_garage.core.request import Request
 from hpc_garage.core.request_options import OPTIONS as REQUEST_OPTIONS
 from hpc_garage.files import locked, pid_alive, read_json, write_json
 from hpc_garage.variables import SECRETS_ENV
-from hpc_garage.schedulers.submission import (JobView, Prepared, adopt, find, next_job_of, prepare, refresh,
-                                              run_root, run_roots, submit)
+from hpc_garage.schedulers.submission import (CANCEL_MARGIN, JobView, Prepared, adopt, find, next_job_of, prepare,
+                                              refresh, run_root, run_roots, start_wind_down, submit)
 
 __all__ = ["VARIABLES", "FlowRunJob", "Taken", "Busy", "request_of", "prepare_flow_run", "secrets_of",
-           "secrets_file", "take", "claim_of", "views", "cancel", "ended", "next_job_of", "run_roots"]
+           "secrets_file", "take", "claim_of", "views", "cancel", "wind_down", "CANCEL_MARGIN", "ended",
+           "next_job_of", "run_roots"]
 
 logger = logging.getLogger(__name__)
 
@@ -239,6 +240,12 @@ def cancel(job_id: str, site: str) -> bool:
         return False
     view.batch.run(view.batch.cancel_argv(job_id))
     return True
+
+
+def wind_down(job_id: str, site: str) -> float | None:
+    """A Prefect cancel of a running flow run: wind its job down as `hpc-garage cancel` does; the seconds its
+    trials get (the worker cancels the job CANCEL_MARGIN after them), or None where it cannot wind down."""
+    return start_wind_down(refresh(find(job_id, site)))
 
 
 def ended(view: JobView) -> str:

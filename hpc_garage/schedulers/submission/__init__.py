@@ -9,11 +9,12 @@ terminal shows a job is the CLI's (`cli/status_text.py`); here is the data.
 from hpc_garage.schedulers.submission.finding import (JobView, check_job_id, find, lookup, metrics_text,
                                                       progress_text, records, refresh, results_roots, run_dir_of,
                                                       run_root, run_roots, status_all, sweep_text, trial_label)
-from hpc_garage.schedulers.submission.following import SWEEP_SECONDS, cancel, log_files, logs, next_job_of, wait
+from hpc_garage.schedulers.submission.following import (CANCEL_MARGIN, SWEEP_SECONDS, cancel, cancel_follow_up,
+                                                        log_files, logs, next_job_of, start_wind_down, wait)
 from hpc_garage.schedulers.submission.submitting import (Prepared, Submitted, adopt, prepare, resubmit, resume,
                                                          submit)
 
-__all__ = ["SWEEP_SECONDS", "JobView", "Prepared", "Submitted", "adopt", "cancel", "check_job_id", "find", "log_files",
-           "logs", "lookup", "metrics_text", "next_job_of", "prepare", "progress_text", "records", "refresh",
-           "resubmit", "results_roots", "resume", "run_dir_of", "run_root", "run_roots", "status_all", "submit",
-           "sweep_text", "trial_label", "wait"]
+__all__ = ["CANCEL_MARGIN", "SWEEP_SECONDS", "JobView", "Prepared", "Submitted", "adopt", "cancel", "cancel_follow_up",
+           "check_job_id", "find", "log_files", "logs", "lookup", "metrics_text", "next_job_of", "prepare",
+           "progress_text", "records", "refresh", "resubmit", "results_roots", "resume", "run_dir_of", "run_root",
+           "run_roots", "start_wind_down", "status_all", "submit", "sweep_text", "trial_label", "wait"]

@@ -75,8 +75,8 @@ def cancel(view: JobView, report: Callable[[str], None] | None = None, *, now: b
     if status.phase == "finished":
         return f"job {view.job_id} already ended ({status.state}); nothing to cancel"
     say = report or (lambda line: None)
-    grace = wind_down_grace(view, now)
-    if grace is not None and view.run_dir is not None and _wind_down(view, RunDir(view.run_dir)):
+    grace = start_wind_down(view, now)
+    if grace is not None:
         say(f"job {view.job_id}: winding down; giving its running trials {grace:.0f} s (checkpoint_grace) to "
             "checkpoint before it is cancelled (`--now` cancels at once)")
         try:
@@ -84,8 +84,8 @@ def cancel(view: JobView, report: Callable[[str], None] | None = None, *, now: b
         except KeyboardInterrupt:
             say(f"job {view.job_id}: interrupted: cancelling it now")
             ended = False
-        follow_up = (view.state or {}).get("next_job")  # one submitted before the cancel was seen
-        if isinstance(follow_up, str) and _cancel_follow_up(view, follow_up):
+        follow_up = cancel_follow_up(view)  # one submitted before the cancel was seen
+        if follow_up is not None:
             say(f"job {view.job_id}: its follow-up job {follow_up} cancelled too")
         if ended:
             return (f"job {view.job_id} wound down and ended ({view.summary()}); no follow-up job; "
@@ -93,6 +93,16 @@ def cancel(view: JobView, report: Callable[[str], None] | None = None, *, now: b
     argv = view.batch.cancel_argv(view.job_id)
     view.batch.run(argv)
     return f"cancelled job {view.job_id} (it was {status.phase}; `{' '.join(argv)}`)"
+
+
+def start_wind_down(view: JobView, now: bool = False) -> float | None:
+    """Start the wind-down of a cancel (`cancel`, and a Prefect cancel through the work pool's worker): the job
+    is marked as being cancelled and its `run` signalled; the seconds its trials get to checkpoint, or None
+    where it cannot wind down (see wind_down_grace) and is cancelled at once instead."""
+    grace = wind_down_grace(view, now)
+    if grace is None or view.run_dir is None or not _wind_down(view, RunDir(view.run_dir)):
+        return None
+    return grace
 
 
 def wind_down_grace(view: JobView, now: bool = False) -> float | None:
@@ -134,12 +144,17 @@ def _ended_within(view: JobView, seconds: float, poll: float) -> bool:
         time.sleep(poll)
 
 
-def _cancel_follow_up(view: JobView, job_id: str) -> bool:
+def cancel_follow_up(view: JobView) -> str | None:
+    """Cancel the follow-up job a wind-down of this job submitted (state.json's `next_job`) if it has not
+    ended: a cancelled sweep goes on in no job. Its id, or None where there was none to cancel."""
+    job_id = (view.state or {}).get("next_job")
+    if not isinstance(job_id, str):
+        return None
     status = view.batch.status(check_job_id(job_id))
     if status is None or status.phase == "finished":
-        return False
+        return None
     view.batch.run(view.batch.cancel_argv(job_id))
-    return True
+    return job_id
 
 
 # ------------------------------------------------------------------------------------------ its log
