@@ -17,7 +17,7 @@ import pytest
 
 from hpc_garage.cluster.progress import prefect_ui_url
 from hpc_garage.cli.status_text import progress_links
-from hpc_garage.schedulers.submission import progress_text
+from hpc_garage.core.progress_text import progress_text
 from tests.conftest import outside_job_env
 
 PY = sys.executable

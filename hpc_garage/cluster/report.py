@@ -250,7 +250,7 @@ def _curves(ax: Any, metrics: dict[str, Any], curves: dict[str, list[tuple[float
     from matplotlib.lines import Line2D
     from matplotlib.ticker import MaxNLocator
 
-    from hpc_garage.schedulers.submission import trial_label
+    from hpc_garage.core.progress_text import trial_label
 
     rows = {t["trial"]: t for t in metrics.get("trials", [])}
     best = metrics.get("best") or {}
