@@ -18,7 +18,7 @@ job leaves there, who reads it, and what a later job with the same id must not s
     flow-runs             the task runner: COMMAND's flow runs, one a line   run (crash marking), progress
     report.json           `run` as COMMAND ends                              `hpc-garage report`
     metrics/              the flow (prefect/metrics.py): trials.json, the    status, report, Prefect
-                          trials' reports (`<trial>.jsonl`), 0700            artifacts (cluster/progress.py)
+                          trials' reports (`<trial>.jsonl`), 0700            artifacts (cluster/artifacts.py)
     doctor.json           `doctor --job`'s probe: what it found in the job   `hpc-garage doctor`
     cancel-requested      `cancel`, before it signals the job (no follow-up) `run`'s wind-down
     unrecorded.json       the flow, when Prefect's API died: what it lacks   `hpc-garage replay`

@@ -214,7 +214,7 @@ def health() -> Iterator[str]:
             pass
 
     server = http.server.HTTPServer(("127.0.0.1", 0), Answer)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()  # shutdown(): 0.05 s
     yield f"http://127.0.0.1:{server.server_port}/api"
     server.shutdown()
 

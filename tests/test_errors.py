@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from hpc_garage.core.errors import UserError
+
 SCRIPT = "flow.py"
 
 
@@ -190,7 +192,10 @@ def _scheduler_file(path: Path, job_id: str = "123", **extra: object) -> Path:
 
 @pytest.mark.parametrize("case", ["foreign job", "stale writer", "credentials gone", "corrupt", "not an object",
                                   "a directory", "bad timeout variable"])
-def test_bad_scheduler_files_are_one_line(case: str, tmp_path: Path) -> None:
+def test_bad_scheduler_files_are_one_line(case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a flow does first (READ_HANDOFF, in this process: Prefect imported once for all the cases)."""
+    import hpc_garage
+
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HPC_GARAGE_", "SLURM_", "PBS_"))}
     env["HOME"] = str(tmp_path)
     path = tmp_path / "scheduler.json"
@@ -216,10 +221,16 @@ def test_bad_scheduler_files_are_one_line(case: str, tmp_path: Path) -> None:
         _scheduler_file(path)
         env |= {"HPC_GARAGE_START_TIMEOUT": "nan"}
     env["HPC_GARAGE_SCHEDULER_FILE"] = str(path)
-    done = subprocess.run([sys.executable, "-c", READ_HANDOFF], env=env, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2, (done.stdout, done.stderr)
-    lines = done.stderr.splitlines()
-    assert len(lines) == 1 and expect in lines[0], done.stderr
+    env.setdefault("HPC_GARAGE_START_TIMEOUT", "1")  # a missing file: fail fast
+    for name in set(os.environ) - set(env):
+        monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(UserError) as refused:
+        hpc_garage.task_runner()  # it reads the scheduler file before anything starts
+    assert refused.value.exit_code == 2, refused.value
+    lines = str(refused.value).splitlines()
+    assert len(lines) == 1 and expect in lines[0], str(refused.value)
     assert not (tmp_path / ".hpc-garage").exists()  # no Prefect server was started for a flow that cannot run
 
 

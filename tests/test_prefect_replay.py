@@ -29,6 +29,24 @@ def hpcg(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
     return subprocess.run([PY, "-m", "hpc_garage", *args], capture_output=True, text=True, env=env, timeout=180)
 
 
+def hpcg_here(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """`hpcg` in this process, for refusals (the CLI's own `main`, in exactly `env`): no interpreter and no
+    Prefect import per call."""
+    import contextlib
+    import io
+    from unittest import mock
+
+    from hpc_garage.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with mock.patch.dict(os.environ, env, clear=True), contextlib.redirect_stdout(out), \
+            contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exited:
+        main(list(args))
+    code = exited.value.code
+    return subprocess.CompletedProcess(["hpc-garage", *args], code if isinstance(code, int) else 1, out.getvalue(),
+                                       err.getvalue())
+
+
 @pytest.fixture
 def runs(tmp_path: Path) -> tuple[Path, dict[str, str]]:
     """A site whose run directory is private to this test, and the environment that finds it."""
@@ -119,12 +137,12 @@ def test_replay_sends_what_was_kept_once(runs: tuple[Path, dict[str, str]], api:
 
 def test_replay_refuses_bad_input_in_one_line(runs: tuple[Path, dict[str, str]]) -> None:
     root, env = runs
-    unknown = hpcg("replay", "987654321", "--site", "replay-lab", env=env)
+    unknown = hpcg_here("replay", "987654321", "--site", "replay-lab", env=env)
     assert unknown.returncode == 2 and unknown.stderr.count("\n") == 1, unknown.stderr
     assert "job 987654321: no run directory here; pass --site" in unknown.stderr
 
     (root / "5151").mkdir(parents=True)  # a job whose API answered throughout: nothing kept
-    nothing = hpcg("replay", "5151", env=env)
+    nothing = hpcg_here("replay", "5151", env=env)
     assert nothing.returncode == 2 and nothing.stderr.count("\n") == 1, nothing.stderr
     assert "job 5151: nothing to replay" in nothing.stderr
 
@@ -132,7 +150,7 @@ def test_replay_refuses_bad_input_in_one_line(runs: tuple[Path, dict[str, str]])
         s.bind(("127.0.0.1", 0))
         down = f"http://127.0.0.1:{s.getsockname()[1]}/api"
     kept = kept_run(root / JOB, down, str(uuid.uuid4()), [str(uuid.uuid4())])
-    still_down = hpcg("replay", JOB, env={k: v for k, v in env.items() if k != "PREFECT_API_URL"})  # else it wins
+    still_down = hpcg_here("replay", JOB, env={k: v for k, v in env.items() if k != "PREFECT_API_URL"})  # else it wins
     assert still_down.returncode == 2 and still_down.stderr.count("\n") == 1, still_down.stderr
     assert f"Prefect's API at {down} does not answer yet" in still_down.stderr
     assert f"retry `hpc-garage replay {JOB}`" in still_down.stderr
@@ -148,7 +166,7 @@ def test_replay_refuses_bad_input_in_one_line(runs: tuple[Path, dict[str, str]])
                           "its Prefect API was hpc-garage's server on database postgresql (managed), and the one "
                           "here")):
         (root / JOB / "unrecorded.json").write_text(json.dumps({**summary, "prefect_server": server}))
-        refused.append(hpcg("replay", JOB, env={k: v for k, v in env.items() if k != "PREFECT_API_URL"}))
+        refused.append(hpcg_here("replay", JOB, env={k: v for k, v in env.items() if k != "PREFECT_API_URL"}))
         assert refused[-1].returncode == 2 and refused[-1].stderr.count("\n") == 1, refused[-1].stderr
         assert f"job {JOB}: {says}" in refused[-1].stderr, refused[-1].stderr
     for result in (unknown, nothing, still_down, *refused):

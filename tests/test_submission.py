@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from hpc_garage.core.progress_text import sweep_text
 from hpc_garage.core.request import Request
 
 import hpc_garage.schedulers as schedulers
@@ -310,7 +311,7 @@ def test_wait_follows_the_sweep_into_its_follow_up_job_and_shows_its_totals(lab:
         "job 43 done | sweep: 40 done, 0 running, 0 failed, 0 to go (2 jobs)",
     ]
     view = submission.refresh(submission.find("42"), None)
-    assert submission.sweep_text(view.to_dict(sweep=True)["sweep"]) == "40 done, 0 running, 0 failed, 0 to go (2 jobs)"
+    assert sweep_text(view.to_dict(sweep=True)["sweep"]) == "40 done, 0 running, 0 failed, 0 to go (2 jobs)"
 
 
 def test_wait_on_a_job_that_aged_out_uses_state_json(lab: Path, fake: FakeSlurm) -> None:

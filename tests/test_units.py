@@ -2,7 +2,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hpc_garage.core.units import format_walltime, parse_memory, parse_walltime
+from hpc_garage.core.units import format_bytes, format_walltime, parse_memory, parse_walltime
 
 
 @pytest.mark.parametrize(
@@ -121,3 +121,18 @@ def test_walltime_parser_accepts_with_meaning_or_refuses_in_one_line(value: obje
         assert "\n" not in str(exc) and str(exc)
     else:
         assert isinstance(seconds, int) and 1 <= seconds <= 10 * 365 * 86400
+
+
+@pytest.mark.parametrize(("n", "plain", "measured"), [
+    (0, "0 B", "0 B"), (512, "512 B", "512 B"), (1536, "1.5 KiB", "1.5 KiB"), (2 * 2**30, "2 GiB", "2.0 GiB"),
+    (int(1.25 * 2**30), "1.2 GiB", "1.2 GiB"), (60 * 2**30, "60 GiB", "60.0 GiB"), (3 * 2**40, "3 TiB", "3.0 TiB")])
+def test_sizes_read_as_people_write_them_and_measured_ones_keep_one_decimal(n: int, plain: str, measured: str) -> None:
+    """Node memory reads `60 GiB`; a measured peak (the run's report, a trial's GPU memory) `60.0 GiB`."""
+    assert format_bytes(n) == plain
+    assert format_bytes(n, tenths=True) == measured
+
+
+@given(st.integers(min_value=0, max_value=2**50))
+def test_a_size_reads_back_within_its_rounding(n: int) -> None:
+    for text in (format_bytes(n), format_bytes(n, tenths=True)):
+        assert abs(parse_memory(text.replace(" ", "")) - n) <= max(0.05 * n, 1), text

@@ -1,6 +1,7 @@
 """How a terminal shows jobs: `status JOBID`'s lines, `status`'s table, where to look while a job runs (the
 Prefect UI, the Dask dashboard, the `ssh -L` lines that reach them from a laptop) and `--wait`'s line rewritten
-in place. The data comes from `schedulers/submission` (a JobView, its state in words); only its look is here."""
+in place. The data comes from `schedulers/submission` (a JobView, its state in words) and its progress in words
+from core/progress_text.py (shared with `--wait`'s summary and `run`'s report); only the look is here."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import time
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any
 
+from hpc_garage.core.progress_text import progress_text, sweep_text
 from hpc_garage.core.tunnel import ssh_tunnel
 
 if TYPE_CHECKING:
@@ -17,8 +19,6 @@ if TYPE_CHECKING:
 def job_lines(view: JobView) -> list[str]:
     """`status JOBID`: the job's summary, then one `key: value` line each for what is known, then where to look
     while it runs."""
-    from hpc_garage.schedulers.submission import progress_text, sweep_text
-
     data = view.to_dict(sweep=True)
     lines = [f"job {view.job_id} {data['summary']}"]
     batch = view.status

@@ -22,6 +22,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from hpc_garage.core.units import format_bytes
+
 __all__ = ["TASK_RUN_ID", "build", "busy_and_gaps", "by_task_run", "load", "plot", "summary", "trial_curves",
            "with_metrics"]
 
@@ -102,15 +104,16 @@ def summary(report: dict[str, Any]) -> list[str]:
     if not gpus:
         lines.append("GPUs: none allocated")
     top = max(workers, key=lambda w: w["memory_peak"], default=None)
-    lines.append(f"memory: peak {_size(top['memory_peak'])} of {_size(top['memory_limit'])} ({top['worker']})"
-                 if top and top["memory_limit"] else "memory: no worker reported")
+    peak, limit = (format_bytes(top[key], tenths=True) for key in ("memory_peak", "memory_limit")) if top else ("", "")
+    lines.append(f"memory: peak {peak} of {limit} ({top['worker']})" if top and top["memory_limit"]
+                 else "memory: no worker reported")
     durations = [t["duration_s"] for t in trials]
     if durations:
         longest = max(trials, key=lambda t: t["duration_s"])
         figures = [t for t in trials if "gpu_util_mean" in t]
         gpu = (f"; GPU utilisation mean {statistics.fmean(t['gpu_util_mean'] for t in figures):.0f} %, "
                f"peak {max(t['gpu_util_peak'] for t in figures):.0f} %, memory peak "
-               f"{_size(max(t['gpu_memory_peak'] for t in figures))}" if figures
+               f"{format_bytes(max(t['gpu_memory_peak'] for t in figures), tenths=True)}" if figures
                else "; GPU utilisation not read (no NVML/amdsmi, or no GPU)" if gpus else "")
         lines.append(f"trials: median {statistics.median(durations):.2f} s, longest {longest['duration_s']:.2f} s"
                      f" ({longest['key'][:40]}){gpu}")
@@ -247,7 +250,7 @@ def _curves(ax: Any, metrics: dict[str, Any], curves: dict[str, list[tuple[float
     from matplotlib.lines import Line2D
     from matplotlib.ticker import MaxNLocator
 
-    from hpc_garage.schedulers.submission import trial_label
+    from hpc_garage.core.progress_text import trial_label
 
     rows = {t["trial"]: t for t in metrics.get("trials", [])}
     best = metrics.get("best") or {}
@@ -308,10 +311,3 @@ def _unnamed(count: float) -> list[str]:
 def _r(seconds: float) -> float:
     return round(seconds, 3)
 
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"

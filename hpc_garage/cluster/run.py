@@ -15,7 +15,6 @@ import contextlib
 import logging
 import os
 import shutil
-import signal
 import threading
 import time
 from pathlib import Path
@@ -26,8 +25,9 @@ from typing import Any
 from hpc_garage.core.errors import UserError
 from hpc_garage.cluster.handoff import Handoff
 from hpc_garage.cluster.node_loss import NodeWatch
-from hpc_garage.launchers.common import (Launcher, Preload, end_process, listening_host, security_from,
-                                        worker_preload)
+from hpc_garage.cluster import dask_scheduler
+from hpc_garage.cluster.command import command_exit, end_command, on_signals, start_command, stop_on_signals
+from hpc_garage.launchers.common import Launcher, Preload, listening_host, worker_preload
 from hpc_garage.core.layout import Layout, layout
 from hpc_garage.cluster.sweep import RunSweep, join_sweep
 from hpc_garage.cluster.prefect_cancel import PrefectCancel
@@ -171,16 +171,18 @@ async def _serve(site: Site, layout_: Layout, launcher: Launcher, rundir: RunDir
     run = _Run(site, layout_, launcher, rundir, job_id, state, None if insecure else rundir.credential_paths(),
                api_env, ending)
     worker_env, child_env = _environments(run, env, swept, timeout, preload_names, host)
-    interrupted = _stop_on_signals()
+    interrupted = stop_on_signals()
     if ending is not None:
         ending.bind(note=state.note)
         ending.install_signals()  # the batch system's warning: wind down now (preemption, the site's signal)
     try:
         await launcher.prepare(run.tls, worker_env, rundir, timeout)
         # COMMAND first: it imports Prefect while the cluster starts
-        run.proc = await _start_command(command, child_env, interrupted, on_signal=run.nodes.job_ending)
-        await _start_scheduler(run)
-        run.preload = _import_in_background(list(preload_names.scheduler))
+        run.proc = await start_command(command, child_env, interrupted, on_signal=run.nodes.job_ending)
+        run.scheduler = dask_scheduler.new(launcher, rundir, run.tls)  # here, never in a GPU worker's place
+        run.progress = await dask_scheduler.start(run.scheduler, site, rundir, api_env,
+                                                  lambda figures: state.note(progress=figures))
+        run.preload = dask_scheduler.import_beside(list(preload_names.scheduler))
         await launcher.start(run.scheduler.address, run.tls, worker_env, rundir)
         if await _wait(run.scheduler, expected, timeout, launcher, state, run.proc):
             _hand_over(run, expected, started)
@@ -213,29 +215,6 @@ def _environments(run: _Run, env: dict[str, str], swept: RunSweep, timeout: floa
     return worker_env, child_env
 
 
-async def _start_scheduler(run: _Run) -> None:
-    """The scheduler, here in `run`'s process (it never takes a GPU worker's place), with placement and
-    progress installed before any worker or task arrives. Started after COMMAND, so that Dask's imports
-    (about a second) overlap COMMAND's."""
-    from distributed import Scheduler
-
-    from hpc_garage.cluster.placement import install
-    from hpc_garage.cluster.progress import install as install_progress
-
-    if run.tls is not None:
-        run.rundir.write_credentials()
-    run.scheduler = Scheduler(port=0, dashboard_address=":0", security=security_from(run.tls),
-                              protocol="tls" if run.tls else "tcp",
-                              scheduler_file=str(run.rundir.dask_scheduler_file), **run.launcher.scheduler_host)
-    install(run.scheduler)  # resource tasks go only to workers with them free (placement.py); every launcher
-    await run.scheduler
-    run.progress = await install_progress(run.scheduler, lambda figures: run.state.note(progress=figures),
-                                          vendor=run.site.node.gpu_vendor, api=run.api_env,  # trials, GPUs,
-                                          noted=run.rundir.flow_runs,  # links; the report
-                                          metrics=run.rundir.metrics_summary)  # what the trials reported
-    os.chmod(run.rundir.dask_scheduler_file, 0o600)  # Dask writes it 0644; it names the cluster's address
-
-
 def _hand_over(run: _Run, expected: list[str], started: float) -> None:
     """Every worker is up: publish the scheduler file, which COMMAND's task runner waits for; only now watch
     for lost nodes and the job's end, since both act on a whole cluster."""
@@ -255,7 +234,7 @@ def _hand_over(run: _Run, expected: list[str], started: float) -> None:
 async def _command_code(run: _Run) -> int:
     """COMMAND's exit code as `run` exits with it: never 0 when a lost node or the job's end stopped it."""
     assert run.proc is not None
-    code = run.nodes.exit_code(await _command_exit(run.proc))
+    code = run.nodes.exit_code(await command_exit(run.proc))
     if run.ending is None:
         return code
     await run.ending.settled()  # a wind-down under way decides first (follow-up job, interrupted trials)
@@ -267,9 +246,9 @@ async def _tear_down(run: _Run) -> None:
     marked Crashed while the batch system still waits, the watches, the handoff withdrawn, the report while
     the workers still answer, then the workers, the scheduler, the launcher's jobs. Signals are ignored from
     here on, so that teardown completes (no worker job is left in the queue)."""
-    _on_signals(lambda sig: logger.info(f"signal {sig} ignored: tearing down (stopping workers, cancelling jobs)"))
+    on_signals(lambda sig: logger.info(f"signal {sig} ignored: tearing down (stopping workers, cancelling jobs)"))
     if run.code is None and run.proc is not None:
-        await _end_command(run.proc)
+        await end_command(run.proc)
     if run.progress is not None and run.code != 0:  # before the batch system's KillWait runs out
         await asyncio.get_running_loop().run_in_executor(None, _crash_open_flow_runs, run.progress, run.code)
     run.nodes.cancel()
@@ -282,7 +261,7 @@ async def _tear_down(run: _Run) -> None:
         for line in run.progress.finish(run.rundir):
             logger.info(f"report: {line}")
     if run.scheduler is not None:
-        await _retire(run.scheduler)
+        await dask_scheduler.retire(run.scheduler)
         await run.scheduler.close(reason="hpc-garage run: command finished")
     await run.launcher.stop()
     if run.preload is not None:  # an interpreter exiting mid-import in a thread can crash (seen: SIGSEGV)
@@ -339,58 +318,6 @@ def _run_deadline(site: Site, job_id: str, walltime: int, results: Path) -> Wind
     return WindDown(site, job_id, lambda: (end - time.time(), float(walltime)), None, lambda other: None, results)
 
 
-def _import_in_background(modules: list[str]) -> threading.Thread:
-    """Import what the workers preload (Prefect) here too, while the workers start: the scheduler unpickles
-    each task it is sent, and the first Prefect task would otherwise import Prefect inside the scheduler's
-    event loop, stalling every worker and client for ~2 s (measured) just as the sweep starts."""
-    import importlib
-
-    def load() -> None:
-        for name in modules:
-            with contextlib.suppress(Exception):
-                importlib.import_module(name)
-
-    thread = threading.Thread(target=load, name="hpc-garage-preload", daemon=True)
-    thread.start()
-    return thread
-
-
-def _on_signals(handler: Any) -> None:
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, handler, sig)
-
-
-def _stop_on_signals() -> list[int]:
-    """Until COMMAND runs, SIGINT/SIGTERM stop the start-up and tear down what was started (workers, worker
-    jobs); while it runs they go to COMMAND; during teardown they are ignored, so teardown completes."""
-    main = asyncio.current_task()
-    received: list[int] = []
-
-    def stop(sig: int) -> None:
-        received.append(sig)
-        if main is not None:
-            main.cancel()
-
-    _on_signals(stop)
-    return received
-
-
-async def _retire(scheduler: Any) -> None:
-    """Close workers (and their nannies) first, so none is left heartbeating into a closed scheduler."""
-    if scheduler.workers:
-        quiet = logging.getLogger("distributed.scheduler")
-        level = quiet.level
-        quiet.setLevel(logging.CRITICAL)  # a nanny told to terminate hangs up without a reply
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(scheduler.broadcast(msg={"op": "terminate", "reason": "hpc-garage run ended"},
-                                                       nanny=True, on_error="ignore"), 20)
-        quiet.setLevel(level)
-        deadline = time.monotonic() + 10
-        while scheduler.workers and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-
-
 async def _wait(scheduler: Any, expected: list[str], timeout: float, launcher: Launcher, state: RunState,
                 proc: asyncio.subprocess.Process) -> bool:
     """True once every worker has registered; False if COMMAND failed first (its error is the story then).
@@ -417,39 +344,6 @@ async def _wait(scheduler: Any, expected: list[str], timeout: float, launcher: L
         for task in (waiting, exited):
             if not task.done():
                 task.cancel()
-
-
-async def _start_command(command: list[str], env: dict[str, str], interrupted: list[int],
-                         on_signal: Callable[[int], None] | None = None) -> asyncio.subprocess.Process:
-    """Start COMMAND; from now on SIGINT/SIGTERM to `run` go to COMMAND first, so the flow can finish its
-    bookkeeping (during start-up they also stop the start-up)."""
-    proc = await asyncio.create_subprocess_exec(*command, env=env)
-    loop = asyncio.get_running_loop()
-    main = asyncio.current_task()
-
-    def forward(sig: int) -> None:
-        if on_signal is not None:
-            on_signal(sig)
-        if proc.returncode is None:
-            proc.send_signal(sig)
-        if not os.path.exists(env[SCHEDULER_FILE_ENV]):
-            interrupted.append(sig)  # still starting up: stop that too
-            if main is not None:
-                main.cancel()
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, forward, sig)
-    return proc
-
-
-async def _command_exit(proc: asyncio.subprocess.Process) -> int:
-    code = await proc.wait()  # the handlers stay until teardown installs its own: no moment without one
-    return 128 - code if code < 0 else code  # killed by signal N: 128+N, as shells report it
-
-
-async def _end_command(proc: asyncio.subprocess.Process) -> None:
-    """COMMAND outlived a failed start-up: it is waiting for a cluster that will not come."""
-    await end_process(proc, ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)))
 
 
 def site_for_run(name: str | None, env: Mapping[str, str]) -> Site:

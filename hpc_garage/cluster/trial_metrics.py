@@ -142,7 +142,7 @@ def section(summary: dict[str, Any], timed: Mapping[str, dict[str, Any]]) -> dic
 
 def lines(metrics: dict[str, Any] | None) -> list[str]:
     """The report's lines on what the trials reported: the best trial, how many were pruned, what that saved."""
-    from hpc_garage.schedulers.submission import trial_label
+    from hpc_garage.core.progress_text import trial_label
 
     if not metrics:
         return []

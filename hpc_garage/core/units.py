@@ -114,13 +114,15 @@ def format_walltime(seconds: int) -> str:
     return f"{hours:02d}:{rest // 60:02d}:{rest % 60:02d}"
 
 
-def format_bytes(n: int | float) -> str:
-    """`60 GiB`, `1.5 GiB`, `512 MiB`: binary, as people read node memory."""
+def format_bytes(n: int | float, *, tenths: bool = False) -> str:
+    """`60 GiB`, `1.5 GiB`, `512 MiB`: binary, as people read node memory. `tenths`: always one decimal
+    (`2.0 GiB`), as a measured figure reads (a peak in the run's report, a trial's GPU memory)."""
     for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= size:
             value = n / size
-            return f"{value:.0f} {unit}" if abs(value - round(value)) < 0.05 else f"{value:.1f} {unit}"
-    return f"{int(n)} B"
+            whole = not tenths and abs(value - round(value)) < 0.05
+            return f"{value:.0f} {unit}" if whole else f"{value:.1f} {unit}"
+    return f"{round(n)} B"
 
 
 def mib(n: int) -> int:

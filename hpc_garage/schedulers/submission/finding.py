@@ -4,7 +4,8 @@
 `state.json`, which `hpc-garage run` keeps up to date inside the job, for what the batch system cannot know
 (workers up, the exit code once the batch system has forgotten the job). Files from an older job with a
 recycled id are ignored by time. A `JobView` says the job's state in a few words (`summary`): the data that
-`status --json` prints and `--wait` follows; how a terminal shows it is the CLI's (`cli/status_text.py`).
+`status --json` prints and `--wait` follows; its progress in words is core/progress_text.py's, and how a
+terminal shows the rest is the CLI's (`cli/status_text.py`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpc_garage.core.errors import UserError
+from hpc_garage.core.progress_text import progress_text
 from hpc_garage.files import run_root as expand_root
 from hpc_garage.rundir import CLOCK_SLACK, SUBMIT_FILE, RunDir
 from hpc_garage.schedulers.base import JOB_ID, BatchSystem, JobStatus
@@ -128,92 +130,6 @@ class JobView:
             "log": (record.get("log") or {}).get("path"),
             "run_dir": str(self.run_dir) if self.run_dir else None,
         }
-
-
-# ------------------------------------------------------------------------------ the job's progress in words
-
-
-def progress_text(progress: dict[str, Any]) -> str:
-    """`12 done, 4 running, 1 failed, 20 waiting; GPUs 4/4 busy; 1m05s, ETA 2m10s` (cluster/progress.py)."""
-    counts = ", ".join(f"{progress.get(k, 0)} {k}" for k in ("done", "running", "failed", "waiting"))
-    parts = [counts]
-    if progress.get("gpus"):
-        parts.append(f"GPUs {progress.get('gpus_busy', 0)}/{progress['gpus']} busy")
-    elapsed = progress.get("elapsed")
-    if elapsed is not None:
-        eta = progress.get("eta")
-        parts.append(_duration(elapsed) + (f", ETA {_duration(eta)}" if eta is not None else ""))
-    if text := metrics_text(progress.get("metrics")):
-        parts.append(text)
-    return "; ".join(parts)
-
-
-def metrics_text(metrics: Any) -> str | None:
-    """`best loss 0.29 (trial train-3 step 11), 3 reporting, 5 pruned` (progress's "metrics", from what the
-    trials reported: cluster/trial_metrics.py; reporting: those running now); None where no trial reported, or
-    the figures are not that shape."""
-    if not isinstance(metrics, dict) or not isinstance(metrics.get("reporting"), int):
-        return None
-    best = metrics.get("best")
-    best = best if isinstance(best, dict) and isinstance(best.get("value"), (int, float)) else None
-    if not metrics["reporting"] and not metrics.get("pruned") and best is None:
-        return None
-    parts = []
-    if best is not None:
-        step = f" step {best['step']}" if best.get("step") is not None else ""
-        parts.append(f"best {best.get('metric') or 'value'} {best['value']:.4g} "
-                     f"(trial {trial_label(str(best.get('trial')), best.get('task'))}{step})")
-    parts.append(f"{metrics['reporting']} reporting")
-    if isinstance(metrics.get("pruned"), int) and metrics["pruned"]:
-        parts.append(f"{metrics['pruned']} pruned")
-    return ", ".join(parts)
-
-
-def trial_label(trial: str, task: Any = None) -> str:
-    """A trial as a line names it: its id where short, else its task and the id's first 8 characters (a
-    trial's id is its result's key or its task run's id: 32 hex digits)."""
-    if len(trial) <= 16:
-        return trial
-    return f"{task}-{trial[:8]}" if task else trial[:12]
-
-
-def sweep_text(sweep: dict[str, Any] | None) -> str | None:
-    """`40 done, 4 running, 0 failed, 36 to go (3 jobs); 2 ran again because their task's source changed
-    (train)`: the trials of a sweep's epoch across its jobs (JobView.sweep)."""
-    trials = (sweep or {}).get("trials")
-    if not trials:
-        return None
-    text = ", ".join(f"{trials.get(k, 0)} {k.replace('_', ' ')}" for k in ("done", "running", "failed", "to_go"))
-    jobs = trials.get("jobs", 0)
-    text += f" ({jobs} job{'s' if jobs != 1 else ''})"
-    if changed := (sweep or {}).get("source_changed"):
-        n = sum(changed.values())
-        text += f"; {n} ran again because {'its' if n == 1 else 'their'} task's source changed ({', '.join(changed)})"
-    return text + interrupted_text((sweep or {}).get("interrupted"))
-
-
-def interrupted_text(cut: dict[str, Any] | None) -> str:
-    """`; 2 interrupted, to be continued; 2 continued from their checkpoints (work lost 12 s, at most 5 s);
-    trial train (3f2a…) not continued: longer than the walltime and never checkpoints` (sweeps.interruptions)."""
-    if not cut:
-        return ""
-    text = f"; {cut['interrupted']} interrupted, to be continued" if cut.get("interrupted") else ""
-    if cut.get("continued"):
-        text += (f"; {cut['continued']} continued from their checkpoints (work lost {cut.get('lost', 0):.0f} s, "
-                 f"at most {cut.get('lost_max', 0):.0f} s)")
-    by_why: dict[str, list[str]] = {}
-    for stopped in cut.get("stopped") or []:
-        by_why.setdefault(str(stopped["why"]), []).append(f"{stopped['task']} ({str(stopped['trial'])[:12]})")
-    for why, trials in by_why.items():
-        text += f"; trial{'s' if len(trials) > 1 else ''} {', '.join(trials)} not continued: {why}"
-    return text
-
-
-def _duration(seconds: float) -> str:
-    seconds = int(round(seconds))
-    hours, rest = divmod(seconds, 3600)
-    return (f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s" if rest >= 60
-            else f"{rest}s")
 
 
 # ------------------------------------------------------------------------------------------ finding jobs

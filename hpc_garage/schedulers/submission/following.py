@@ -11,7 +11,8 @@ from typing import IO, Any
 
 from hpc_garage.core.errors import UserError
 from hpc_garage.rundir import CLOCK_SLACK, RunDir
-from hpc_garage.schedulers.submission.finding import JobView, check_job_id, refresh, sweep_text
+from hpc_garage.core.progress_text import sweep_text
+from hpc_garage.schedulers.submission.finding import JobView, check_job_id, refresh
 
 SWEEP_SECONDS = 2.0  # `--wait` reads a sweep's directory this often (run writes progress as often)
 CANCEL_MARGIN = 60.0  # `cancel` waits this beyond the checkpoint grace: the wind-down decides, `run` tears down
