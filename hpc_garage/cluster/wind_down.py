@@ -264,7 +264,8 @@ class WindDown:
     def _decide(self, unfinished: list[Unfinished]) -> None:
         """Record each interrupted trial; submit the follow-up job where another job gets further."""
         now = time.time()
-        records = [self._record(trial, now) for trial in unfinished]
+        records = [_record(self.results, trial, self.job_id, now, self.site.max_continuations, self._say)
+                   for trial in unfinished]
         new_results = _results_in(self.results) - self._kept
         interrupted = len(records)
         lost = [r["interruptions"][-1]["lost"] for r in records]
@@ -314,23 +315,25 @@ class WindDown:
             self._note(cancelled=True)
         return self.cancelling
 
-    def _record(self, trial: Unfinished, now: float) -> dict[str, Any]:
-        """The trial's record in the epoch's results, updated with this interruption."""
-        path = self.results / TRIALS_DIR / f"{trial.trial.replace('/', '_')}.json" if self.results else None
-        before = None
-        if path is not None:
-            try:
-                before = json.loads(path.read_text())
-            except (OSError, ValueError):
-                before = None
-        record = interruption(before, trial, self.job_id, now, self.site.max_continuations)
-        if path is not None:
-            try:
-                path.parent.mkdir(mode=0o700, exist_ok=True)
-                write_private(path, json.dumps(record))
-            except OSError as exc:
-                self._say(f"could not record interrupted trial {trial.task} in {path} ({exc})")
-        return record
+
+def _record(results: Path | None, trial: Unfinished, job_id: str, now: float, max_continuations: int,
+            say: Callable[[str], None]) -> dict[str, Any]:
+    """The trial's record in the epoch's results, updated with this interruption."""
+    path = results / TRIALS_DIR / f"{trial.trial.replace('/', '_')}.json" if results else None
+    before = None
+    if path is not None:
+        try:
+            before = json.loads(path.read_text())
+        except (OSError, ValueError):
+            before = None
+    record = interruption(before, trial, job_id, now, max_continuations)
+    if path is not None:
+        try:
+            path.parent.mkdir(mode=0o700, exist_ok=True)
+            write_private(path, json.dumps(record))
+        except OSError as exc:
+            say(f"could not record interrupted trial {trial.task} in {path} ({exc})")
+    return record
 
 
 def _notices(heard: Callable[[Any], None]) -> Any:
