@@ -229,7 +229,8 @@ def test_the_server_batches_its_records_and_the_users_settings_win(fake_python, 
     fake_python('env > server-env.txt; exit 3')
     with pytest.raises(UserError):
         ensure_api()
-    seen = dict(line.split("=", 1) for line in (ServerDir.of().path / "server-env.txt").read_text().splitlines() if "=" in line)
+    env_file = ServerDir.of().path / "server-env.txt"  # the fake keeper's, in its working directory
+    seen = dict(line.split("=", 1) for line in env_file.read_text().splitlines() if "=" in line)
     assert seen["PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE"] == "100"
     assert seen["PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL"] == "2"  # the user's
     assert seen["PREFECT_SERVER_SERVICES_EVENT_PERSISTER_READ_BATCH_SIZE"] == "100"
