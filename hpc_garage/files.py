@@ -1,8 +1,8 @@
-"""Private files, run directories, and their writers' pids: the I/O every layer above the core shares.
+"""Private files, the paths a site file names, and their writers' pids: the I/O every layer above the core shares.
 
 A file that holds an address, a key or a token is written readable by its owner only, and atomically, so
 no reader ever sees half of it. A file that several processes change is changed under `locked` (or appended
-to whole lines at a time). A job's run directory is `<run root>/<job id>/`; what it holds is rundir.py's.
+to whole lines at a time). Where runs live and what a run directory holds is rundir.py's.
 A JSON file another process writes is read with `read_json`: missing, half-written or not an object is None.
 """
 
@@ -80,14 +80,10 @@ def append_private(path: Path, lines: list[str]) -> None:
         f.write("".join(line + "\n" for line in lines))
 
 
-def run_root(run_directory: str | Path) -> Path:
-    """A site's `run_directory` as a path here: `~` and variables expanded."""
-    return Path(os.path.expandvars(str(run_directory))).expanduser()
-
-
-def run_dir(run_directory: str | Path, job_id: str) -> Path:
-    """One job's run directory under its site's run root."""
-    return run_root(run_directory) / job_id
+def expand_path(configured: str | Path) -> Path:
+    """A directory a site file names (`run_directory`, `results_directory`) as a path here: `~` and variables
+    expanded, as the shell would."""
+    return Path(os.path.expandvars(str(configured))).expanduser()
 
 
 def pid_alive(pid: int) -> bool:

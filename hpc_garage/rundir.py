@@ -1,7 +1,10 @@
-"""One job's run directory, `<run root>/<job id>/` (0700): every name in it, what a new job clears, its JSON.
+"""Where jobs run: the run root (`RunRoot`, every job's run directory in it as `<run root>/<job id>/`) and one
+job's run directory (`RunDir`, 0700): every name in it, what a new job clears, its JSON.
 
 As submitit's `JobPaths` owns a job folder, `RunDir` owns this one: nobody else spells a name in it, so what a
 job leaves there, who reads it, and what a later job with the same id must not see are decided in one place.
+`RunRoot` owns the folder above: where a site puts it, how a job's directory is named, which are jobs', and
+which of several roots holds a job; nobody else joins a root and a job id.
 
     name                  written by                                         read by
     submit.json           `submit`: what was asked, the log, when            status, wait, logs, resubmit, run
@@ -35,13 +38,16 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from hpc_garage.files import append_private, read_json, run_dir, write_json, write_private
+from hpc_garage.files import append_private, expand_path, read_json, write_json, write_private
 from hpc_garage.variables import RUN_DIR_ENV
+
+if TYPE_CHECKING:
+    from hpc_garage.core.site import Site
 
 SUBMIT_FILE = "submit.json"
 SCRIPT_FILE = "job.sh"
@@ -90,15 +96,77 @@ class Published(Protocol):
 
 
 @dataclass(frozen=True)
+class RunRoot:
+    """The folder of every job's run directory. Other things live beside them (the work pool's claims, the
+    default results root): a job's directory is the one whose submit.json records its name as the job's id."""
+
+    path: Path
+
+    @classmethod
+    def of(cls, run_directory: str | Path) -> RunRoot:
+        """A site's `run_directory` as a path here: `~` and variables expanded."""
+        return cls(expand_path(run_directory))
+
+    @classmethod
+    def of_site(cls, site: Site) -> RunRoot:
+        return cls.of(site.run_directory)
+
+    @classmethod
+    def default(cls) -> RunRoot:
+        """Where a site that names none keeps its runs (imports the site model: call it where that is loaded)."""
+        from hpc_garage.core.site import Site
+
+        return cls.of(Site.model_fields["run_directory"].default)
+
+    def run_dir(self, job_id: str) -> RunDir:
+        """Job `job_id`'s run directory (whether it exists or not); an id that is not one name is refused."""
+        if not job_id or job_id in (".", "..") or "/" in job_id or "\0" in job_id:
+            raise ValueError(f"{job_id!r} is not a job id")
+        return RunDir(self.path / job_id)
+
+    def submitted(self, job_id: str) -> tuple[RunDir, dict[str, Any]] | None:
+        """Job `job_id`'s run directory and submit.json, where hpc-garage submitted it from this root."""
+        rundir = self.run_dir(job_id)
+        record = rundir.submit_record()
+        return (rundir, record) if record is not None and record.get("job_id") == job_id else None
+
+    def jobs(self) -> Iterator[tuple[RunDir, dict[str, Any]]]:
+        """(run directory, submit.json) of every job hpc-garage submitted from this root, in any order."""
+        for file in self.path.glob(f"*/{SUBMIT_FILE}") if self.path.is_dir() else []:
+            if (found := self.submitted(file.parent.name)) is not None:
+                yield found
+
+
+def newest_submitted(job_id: str, roots: Iterable[RunRoot]) -> tuple[RunDir, dict[str, Any]] | None:
+    """Job `job_id` as hpc-garage submitted it from one of `roots`: the newest, where ids were recycled."""
+    found = [hit for root in roots if (hit := root.submitted(job_id)) is not None]
+    return max(found, key=lambda hit: hit[1].get("submitted") or 0) if found else None
+
+
+def first_run_dir(job_id: str, roots: Iterable[RunRoot], holding: str | None = None) -> RunDir | None:
+    """The first of `roots` with a run directory of `job_id` (holding the file `holding`, where given): a `run`
+    on a login node or in a job written by hand has one, with no submit.json."""
+    for root in roots:
+        rundir = root.run_dir(job_id)
+        if (rundir.path / holding).exists() if holding else rundir.path.is_dir():
+            return rundir
+    return None
+
+
+@dataclass(frozen=True)
 class RunDir:
     """The run directory of one job; every path in it."""
 
     path: Path
 
-    @classmethod
-    def for_job(cls, root: str | Path, job_id: str) -> RunDir:
-        """Job `job_id`'s under a site's `run_directory` (`~` and variables expanded)."""
-        return cls(run_dir(root, job_id))
+    @property
+    def job_id(self) -> str:
+        return self.path.name
+
+    @property
+    def root(self) -> RunRoot:
+        """The run root it is in: where the job's follow-ups and the other jobs of its sweep have theirs."""
+        return RunRoot(self.path.parent)
 
     @classmethod
     def of_this_run(cls, env: Mapping[str, str] | None = None) -> RunDir | None:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpc_garage.core.errors import UserError
 from hpc_garage.core.sweep import SOURCE_CHANGES, TRIALS_DIR, SweepKey, check_name, derived_name
-from hpc_garage.files import locked, run_root, write_private
+from hpc_garage.files import expand_path, locked, write_private
 
 if TYPE_CHECKING:
     from hpc_garage.core.site import Site
@@ -29,8 +29,8 @@ RECORD = "sweep.json"
 def results_root(results_directory: str | None, run_directory: str) -> Path:
     """Where a site keeps its sweeps' results, as a path here."""
     if results_directory:
-        return run_root(results_directory)
-    return run_root(run_directory) / "sweeps"
+        return expand_path(results_directory)
+    return expand_path(run_directory) / "sweeps"
 
 
 def check_results_root(root: Path, *, given: bool, where: str) -> Path:

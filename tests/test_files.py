@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from hpc_garage.core.errors import UserError
-from hpc_garage.files import (append_private, locked, pid_alive, read_json, read_secrets, run_root, write_json,
+from hpc_garage.files import (append_private, locked, pid_alive, read_json, read_secrets, write_json,
                               write_private)
 
 
@@ -104,12 +104,6 @@ def test_a_pid_is_alive_until_its_process_ends() -> None:
     assert not pid_alive(int(done.stdout))
     assert pid_alive(1)  # someone else's (init): alive, though we may not signal it
 
-
-def test_a_run_root_expands_home_and_variables(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv("HOME", str(tmp_path))
-    monkeypatch.setenv("SCRATCH", "/scratch/me")
-    assert run_root("~/.hpc-garage/runs") == tmp_path / ".hpc-garage" / "runs"
-    assert run_root("$SCRATCH/runs") == Path("/scratch/me/runs")
 
 
 def test_secrets_are_read_only_from_a_private_file_of_names_and_values(tmp_path: Path) -> None:

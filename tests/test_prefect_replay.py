@@ -181,7 +181,7 @@ def test_replay_reaches_the_managed_server_started_again(runs: tuple[Path, dict[
     job's runs. Runs last in this module: it replaces the module's server (about 15 s, most of it the start)."""
     from hpc_garage.variables import RUN_DIR_ENV
     from hpc_garage.prefect import outage
-    from hpc_garage.prefect.server import state_dir
+    from hpc_garage.prefect.server import ServerDir
 
     root, env = runs
     env = {k: v for k, v in env.items() if not k.startswith("PREFECT_API_")}  # the user names no API of theirs
@@ -199,10 +199,10 @@ def test_replay_reaches_the_managed_server_started_again(runs: tuple[Path, dict[
     assert summary["api_url"] == url and summary["prefect_server"]["database"] == "sqlite", summary
 
     stopped = hpcg("server", "stop", "--force", env=env)  # this test's process holds it (fixture `api`)
-    assert stopped.returncode == 0 and not (state_dir() / "server.json").exists(), stopped.stdout + stopped.stderr
+    assert stopped.returncode == 0 and not ServerDir.of().state_file.exists(), stopped.stdout + stopped.stderr
     replayed = hpcg("replay", "4343", env=env)
     assert replayed.returncode == 0, replayed.stdout + replayed.stderr
-    now = json.loads((state_dir() / "server.json").read_text())  # the server replay started
+    now = json.loads(ServerDir.of().state_file.read_text())  # the server replay started
     assert (now["url"], now["auth"]) != (url, auth) and now["url"] in replayed.stdout, replayed.stdout
     assert f"flow run {flow_run_id} set COMPLETED (was RUNNING)" in replayed.stdout
     http = httpx.Client(base_url=now["url"], auth=tuple(now["auth"].split(":", 1)), timeout=30)

@@ -19,7 +19,7 @@ import pytest
 from hpc_garage.prefect import server as prefect_server
 from hpc_garage.prefect.server import processes
 from hpc_garage.core.errors import UserError
-from hpc_garage.prefect.server import configured_api_url, ensure_api, server_status, state_dir, stop_server
+from hpc_garage.prefect.server import ServerDir, configured_api_url, ensure_api, server_status, stop_server
 
 
 @pytest.fixture
@@ -41,6 +41,68 @@ def get(url: str, auth: str | None = None) -> int:
             return int(response.status)
     except urllib.error.HTTPError as exc:
         return exc.code
+
+
+# ------------------------------------------------------------------------------ the server directory
+
+
+def _server_dir_paths(directory: ServerDir) -> dict[str, Path]:
+    return {"server.json": directory.state_file, "server.log": directory.log_file, "home": directory.home,
+            "activity.json": directory.activity_file, "leases": directory.leases, "leases/12": directory.lease(12),
+            "postgres.json": directory.postgres_secrets, "postgres": directory.postgres_files}
+
+
+def test_every_path_in_the_server_directory_comes_from_the_server_dir(home: Path) -> None:
+    """Per machine (~ is shared by every node) and per bind address; `of` creates nothing, `here` makes it
+    private."""
+    machine = prefect_server.machine_name()
+    directory = ServerDir.of()
+    assert directory == ServerDir.of("localhost") == ServerDir(home / ".hpc-garage" / "prefect" / machine)
+    assert ServerDir.of("10.0.0.5").path == directory.path / "bind-10.0.0.5"
+    assert ServerDir.of(machine="node7").path == home / ".hpc-garage" / "prefect" / "node7"
+    assert not (home / ".hpc-garage").exists()
+    paths = _server_dir_paths(directory)
+    assert {name: str(path.relative_to(directory.path)) for name, path in paths.items()} == {n: n for n in paths}
+    assert ServerDir.here() == directory and stat.S_IMODE(directory.path.stat().st_mode) == 0o700
+    assert stat.S_IMODE((home / ".hpc-garage" / "prefect").stat().st_mode) == 0o700
+
+
+def test_the_server_directory_records_the_server_and_forgets_it(home: Path) -> None:
+    directory = ServerDir.here()
+    assert directory.state() is None and directory.activity() == {}
+    state = prefect_server.ServerState(url="http://127.0.0.1:4242/api", pid=12, auth="hpc-garage:x",
+                                       host="127.0.0.1", port=4242, started=1.0)
+    directory.record(state)
+    assert directory.state() == state and stat.S_IMODE(directory.state_file.stat().st_mode) == 0o600
+    directory.state_file.write_text('{"url": ')  # half-written (its writer killed): no server
+    assert directory.state() is None
+    directory.record(state)
+    directory.forget()
+    assert directory.state() is None and not directory.state_file.exists()
+    directory.write_activity({"pid": 12, "last_activity": 5.0})
+    assert directory.activity() == {"pid": 12, "last_activity": 5.0}
+    with directory.locked():
+        assert (directory.path / "lock").exists()
+
+
+def test_no_other_module_spells_a_name_in_the_server_directory() -> None:
+    """Each name appears in prefect/server/state.py alone: a module that spells one again fails here, naming
+    file and line. ("postgres" is left out: it is also the program's and its system user's name.)"""
+    import ast
+
+    import hpc_garage
+
+    package = Path(hpc_garage.__file__).parent
+    names = {name for name in _server_dir_paths(ServerDir(Path("/d"))) if "/" not in name} | {"lock"}
+    names -= {"postgres"}
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        if path == package / "prefect" / "server" / "state.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Constant) and node.value in names:
+                found.append(f"{path.relative_to(package.parent)}:{node.lineno}: {node.value!r}")
+    assert not found, "spelled outside hpc_garage/prefect/server/state.py:\n" + "\n".join(found)
 
 
 def test_the_users_api_wins_and_nothing_is_started(home: Path) -> None:
@@ -68,7 +130,7 @@ def test_one_server_shared_reused_authenticated_and_stopped(home: Path) -> None:
     envs = [json.loads(p.communicate(timeout=180)[0]) for p in callers]
     assert envs[0] == envs[1]
     env = envs[0]
-    state = json.loads((state_dir() / "server.json").read_text())
+    state = json.loads(ServerDir.of().state_file.read_text())
     assert env == {"PREFECT_API_URL": state["url"], "PREFECT_API_AUTH_STRING": state["auth"],
                    "DO_NOT_TRACK": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
                    "PREFECT_UI_URL": state["url"].removesuffix("/api") + "/v2",  # its UI (tests/test_prefect_ui.py)
@@ -76,8 +138,8 @@ def test_one_server_shared_reused_authenticated_and_stopped(home: Path) -> None:
                                                             "host": "127.0.0.1", "database": "sqlite"})}
     directory = home / ".hpc-garage" / "prefect" / os.uname().nodename.split(".")[0]
     assert stat.S_IMODE(directory.stat().st_mode) == 0o700
-    assert stat.S_IMODE((directory / "server.json").stat().st_mode) == 0o600
-    assert (directory / "home").is_dir()  # its own PREFECT_HOME: migrations happen once
+    assert stat.S_IMODE(ServerDir(directory).state_file.stat().st_mode) == 0o600
+    assert ServerDir(directory).home.is_dir()  # its own PREFECT_HOME: migrations happen once
 
     url, auth = env["PREFECT_API_URL"], env["PREFECT_API_AUTH_STRING"]
     assert get(f"{url}/health") == 200
@@ -126,7 +188,7 @@ def test_a_server_that_exits_is_reported_with_its_log(fake_python) -> None:  # n
     message = str(caught.value)
     assert "exited with code 3" in message and "address already in use" in message
     assert "\n" not in message
-    assert not (state_dir() / "server.json").exists()
+    assert not ServerDir.of().state_file.exists()
 
 
 def test_a_port_taken_between_choice_and_bind_is_tried_again_on_another(monkeypatch: pytest.MonkeyPatch,
@@ -167,7 +229,8 @@ def test_the_server_batches_its_records_and_the_users_settings_win(fake_python, 
     fake_python('env > server-env.txt; exit 3')
     with pytest.raises(UserError):
         ensure_api()
-    seen = dict(line.split("=", 1) for line in (state_dir() / "server-env.txt").read_text().splitlines() if "=" in line)
+    env_file = ServerDir.of().path / "server-env.txt"  # the fake keeper's, in its working directory
+    seen = dict(line.split("=", 1) for line in env_file.read_text().splitlines() if "=" in line)
     assert seen["PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE"] == "100"
     assert seen["PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL"] == "2"  # the user's
     assert seen["PREFECT_SERVER_SERVICES_EVENT_PERSISTER_READ_BATCH_SIZE"] == "100"
@@ -241,8 +304,8 @@ def test_a_server_that_cannot_start_is_refused_at_once(cause: str, entry: str, h
     assert took < 10, said
     line = next(x for x in said.splitlines() if "the Prefect server hpc-garage started" in x)
     assert (entry == "run") == ("exit 2" in said), said
-    log = state_dir() / "server.log"
+    log = ServerDir.of().log_file
     assert f"last lines of {log}" in line, line
     cause_named = "cannot import name 'SERVER_API'" if cause == "import" else f"port {value} of 127.0.0.1 is already in use"
     assert f"exited with code {1 if cause == 'import' else 2}: " in line and cause_named in line, line
-    assert not (state_dir() / "server.json").exists()
+    assert not ServerDir.of().state_file.exists()

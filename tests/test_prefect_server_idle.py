@@ -20,7 +20,7 @@ import pytest
 from hpc_garage.core.errors import UserError
 from hpc_garage.files import pid_alive
 from hpc_garage.prefect import server as prefect_server
-from hpc_garage.prefect.server import ServerState, ensure_api, server_status, state_dir, stop_server
+from hpc_garage.prefect.server import ServerDir, ServerState, ensure_api, server_status, stop_server
 from hpc_garage.prefect_api import PrefectApi
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -117,25 +117,25 @@ def test_an_idle_server_leaves_and_the_next_run_starts_a_fresh_one(home: Path) -
                "killed()")
     done = in_child(failing)
     assert "flow done" in done.stdout and done.returncode == 9, done.stderr[-2000:]
-    first = json.loads((state_dir() / "server.json").read_text())
+    first = json.loads(ServerDir.of().state_file.read_text())
     assert count_flow_runs(first, "RUNNING") == 1 and count_flow_runs(first, "FAILED") == 1
     status = server_status()
     assert status["running"] and status["database"] == "sqlite" and status["idle_timeout_s"] == 3
     assert status["uptime_s"] >= 0 and status["idle_s"] >= 0
-    directory = state_dir()
-    assert len(processes_in(directory)) == 2  # the keeper and prefect server start: no extra server
+    directory = ServerDir.here()
+    assert len(processes_in(directory.path)) == 2  # the keeper and prefect server start: no extra server
 
     # no flow runs, no process holding it: it leaves after ~3 s (the keeper looks every 0.5 s)
     assert wait_until(lambda: not pid_alive(first["pid"]), 90), server_status()
-    assert not (directory / "server.json").exists()
+    assert not directory.state_file.exists()
     assert not answers(first["url"])
-    assert wait_until(lambda: not processes_in(directory), 30)
-    assert "stopping" in (directory / "server.log").read_text()
+    assert wait_until(lambda: not processes_in(directory.path), 30)
+    assert "stopping" in directory.log_file.read_text()
     assert server_status()["running"] is False
 
     # the next run starts a fresh one cleanly
     again = json.loads(in_child(HAND_OUT).stdout)
-    second = json.loads((directory / "server.json").read_text())
+    second = json.loads(directory.state_file.read_text())
     assert second["pid"] != first["pid"] and again["PREFECT_API_URL"] == second["url"]
     assert answers(second["url"])
 
@@ -159,7 +159,7 @@ def test_a_process_that_moves_to_another_api_records_its_task_runs_there(home: P
               "print('done', flush=True)\n")
     done = in_child(script)
     assert "done" in done.stdout, done.stderr[-3000:]
-    state = json.loads((state_dir() / "server.json").read_text())  # the second server: it is still up
+    state = json.loads(ServerDir.of().state_file.read_text())  # the second server: it is still up
 
     def completed_task_runs() -> int:
         return int(api_of(state).post("/task_runs/count", {"task_runs": {"state": {"type": {"any_": ["COMPLETED"]}}}}))
@@ -198,7 +198,7 @@ def test_server_stop_force_stops_a_server_in_use(home: Path) -> None:
         pid = server_status()["pid"]  # the keeper: the holder's child, a zombie once stopped until the holder ends
         forced = server_cli("stop", "--force")
         assert forced.returncode == 0 and forced.stdout.strip() == "stopped", forced.stdout + forced.stderr
-        assert not answers(api["PREFECT_API_URL"]) and not (state_dir() / "server.json").exists()
+        assert not answers(api["PREFECT_API_URL"]) and not ServerDir.of().state_file.exists()
 
         def ended() -> bool:
             try:
@@ -263,7 +263,7 @@ def test_the_users_database_url_is_passed_through_without_its_password() -> None
 def test_postgresql_in_user_space(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HPC_GARAGE_PREFECT_DATABASE", "postgresql")
     monkeypatch.setenv("HPC_GARAGE_PREFECT_SERVER_IDLE", "600")
-    directory = state_dir()
+    directory = ServerDir.here()
     postgres = prefect_server.ManagedPostgres(directory)
     try:
         env = ensure_api(timeout=START)
@@ -271,7 +271,7 @@ def test_postgresql_in_user_space(home: Path, monkeypatch: pytest.MonkeyPatch) -
         assert status["healthy"] and status["database"] == "postgresql (managed)"
         assert (postgres.data / "PG_VERSION").exists()
         assert oct(postgres.base.stat().st_mode & 0o777) == "0o700"
-        assert oct((directory / "postgres.json").stat().st_mode & 0o777) == "0o600"
+        assert oct(directory.postgres_secrets.stat().st_mode & 0o777) == "0o600"
         socket = postgres.socket_dir / ".s.PGSQL.5432"
         assert socket.exists() and oct(postgres.socket_dir.stat().st_mode & 0o777) == "0o700"
         # a flow run goes into PostgreSQL, not into a SQLite file
@@ -279,7 +279,7 @@ def test_postgresql_in_user_space(home: Path, monkeypatch: pytest.MonkeyPatch) -
                 "print(f())")
         done = in_child(flow, env)
         assert done.stdout.strip().endswith("7"), done.stderr[-2000:]
-        assert not list((directory / "home").glob("*.db"))
+        assert not list(directory.home.glob("*.db"))
         postmaster = int((postgres.data / "postmaster.pid").read_text().split()[0])
         assert stop_server() is True
         assert not pid_alive(postmaster)  # stopped with the server
@@ -297,7 +297,7 @@ def test_postgresql_in_user_space(home: Path, monkeypatch: pytest.MonkeyPatch) -
         postmaster = int((postgres.data / "postmaster.pid").read_text().split()[0])
         os.kill(keeper, signal.SIGKILL)
         assert wait_until(lambda: not pid_alive(postmaster), 60)
-        assert wait_until(lambda: not processes_in(directory), 60)
+        assert wait_until(lambda: not processes_in(directory.path), 60)
         env = ensure_api(timeout=START)  # and the next run starts cleanly on the same database
         assert in_child(code, env).stdout.strip() == "1"
     finally:
@@ -309,9 +309,9 @@ def test_postgresql_in_user_space(home: Path, monkeypatch: pytest.MonkeyPatch) -
 def test_a_socket_path_too_long_for_unix_sockets_moves_to_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(os, "geteuid", lambda: 1000)  # as a user: the database lives in the state directory
     deep = tmp_path / ("d" * 90)
-    postgres = prefect_server.ManagedPostgres(deep)
+    postgres = prefect_server.ManagedPostgres(ServerDir(deep))
     assert postgres.data == deep / "postgres" / "data"
     assert postgres.socket_dir.parent == Path(tempfile.gettempdir())
     assert postgres.socket_dir.name.startswith(f"hpc-garage-pg-{os.getuid()}-")
     assert len(str(postgres.socket_dir / ".s.PGSQL.5432")) <= 100
-    assert prefect_server.ManagedPostgres(tmp_path).socket_dir == tmp_path / "postgres" / "run"
+    assert prefect_server.ManagedPostgres(ServerDir(tmp_path)).socket_dir == tmp_path / "postgres" / "run"

@@ -86,17 +86,17 @@ def test_status_job_prints_the_ui_the_ssh_line_and_where_the_auth_string_is() ->
 def test_server_status_says_where_the_auth_string_is_never_the_string(tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HOME", str(tmp_path))
-    directory = prefect_server.state_dir()
+    directory = prefect_server.ServerDir.here()
     state = prefect_server.ServerState(url="http://127.0.0.1:9/api", pid=os.getpid(), auth="hpc-garage:s3cr3t",
                                        host="127.0.0.1", port=9, started=0.0, ui="http://127.0.0.1:9/v2")
-    (directory / "server.json").write_text(json.dumps(vars(state)))
+    directory.state_file.write_text(json.dumps(vars(state)))
     status = prefect_server.server_status()
     assert status["ui"] == "http://127.0.0.1:9/v2/"
     assert status["from_a_laptop"].startswith("ssh -N -L 9:127.0.0.1:9 ")
-    assert "`hpc-garage server auth`" in status["auth_string"] and str(directory / "server.json") in status["auth_string"]
+    assert "`hpc-garage server auth`" in status["auth_string"] and str(directory.state_file) in status["auth_string"]
     assert "s3cr3t" not in json.dumps(status)
     assert prefect_server.auth_string() == "hpc-garage:s3cr3t"  # only when asked
-    (directory / "server.json").write_text(json.dumps(vars(state) | {"ui": ""}))
+    directory.state_file.write_text(json.dumps(vars(state) | {"ui": ""}))
     assert prefect_server.server_status()["ui"].startswith("off: ")
     with pytest.raises(UserError, match=r"^--host 10\.1\.2\.3 --machine node9: no hpc-garage Prefect server runs "
                                          r"there \(.*/node9/bind-10\.1\.2\.3/server\.json does not exist\)"):
@@ -139,7 +139,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     assert match, f"no 'View at' link in the run's output: {output[-2000:]}"
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HOME", str(home))
-        state = prefect_server.read_state(prefect_server.state_dir())
+        state = prefect_server.ServerDir.here().state()
         assert state is not None
         try:
             yield Served(home, output, match.group(1), match.group(2), state)

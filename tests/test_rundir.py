@@ -1,11 +1,13 @@
-"""The run directory (hpc_garage/rundir.py): one owner of every name in `<run root>/<job id>/`, of what a new
-job clears and a requeue keeps, and of its JSON."""
+"""The run root and the run directory (hpc_garage/rundir.py): one owner of where runs live and of how a job's
+directory is named in it (`<run root>/<job id>/`), one owner of every name in that directory, of what a new job
+clears and a requeue keeps, and of its JSON."""
 
 from __future__ import annotations
 
 import ast
 import json
 import os
+import re
 import stat
 import time
 from pathlib import Path
@@ -17,7 +19,8 @@ from hpc_garage import rundir as rundir_module
 from hpc_garage.cluster.handoff import Handoff
 from hpc_garage.core.errors import UserError
 from hpc_garage.files import read_json
-from hpc_garage.rundir import CLOCK_SLACK, EARLIER_RUN, HANDOFF, RunDir, note_flow_run
+from hpc_garage.rundir import (CLOCK_SLACK, EARLIER_RUN, HANDOFF, RunDir, RunRoot, first_run_dir, newest_submitted,
+                                note_flow_run)
 from hpc_garage.variables import RUN_DIR_ENV
 
 PACKAGE = Path(hpc_garage.__file__).parent
@@ -46,7 +49,99 @@ def test_every_path_in_a_run_directory_comes_from_the_run_dir(tmp_path: Path) ->
     assert {str(p.relative_to(tmp_path)): name for p, name in paths.items()} == {n: n for n in paths.values()}
     assert set(rundir.credential_paths().values()) == {str(tmp_path / "tls" / "cert.pem"),
                                                       str(tmp_path / "tls" / "key.pem")}
-    assert RunDir.for_job(tmp_path, "42").path == tmp_path / "42"
+    assert RunRoot(tmp_path).run_dir("42").path == tmp_path / "42"
+
+
+# ------------------------------------------------------------------------------------------ the run root
+
+
+def test_a_run_root_expands_home_and_variables(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("SCRATCH", "/scratch/me")
+    assert RunRoot.of("~/.hpc-garage/runs").path == tmp_path / ".hpc-garage" / "runs"
+    assert RunRoot.of("$SCRATCH/runs").path == Path("/scratch/me/runs")
+    assert RunRoot.default() == RunRoot(tmp_path / ".hpc-garage" / "runs")  # a site that names none
+
+
+def test_a_run_root_names_each_jobs_run_directory_and_nothing_else(tmp_path: Path) -> None:
+    root = RunRoot(tmp_path)
+    rundir = root.run_dir("42")
+    assert rundir == RunDir(tmp_path / "42") and rundir.job_id == "42" and rundir.root == root
+    assert rundir.root.run_dir("43").path == tmp_path / "43"  # a follow-up, another job of its sweep
+    for bad in ("", ".", "..", "../42", "a/b", "4\0"):
+        with pytest.raises(ValueError, match="is not a job id"):
+            root.run_dir(bad)
+
+
+def test_a_run_root_lists_the_jobs_submitted_from_it_and_nothing_beside_them(tmp_path: Path) -> None:
+    """Beside the jobs' directories: the default results root, the work pool's claims, a `run` on a login
+    node (no submit.json), a directory whose record is another job's (copied by hand): none is a job here."""
+    root = RunRoot(tmp_path)
+    assert list(RunRoot(tmp_path / "missing").jobs()) == [] and root.submitted("42") is None
+    for job_id, record_id in (("42", "42"), ("43", "43"), ("44", "7")):
+        root.run_dir(job_id).path.mkdir()
+        root.run_dir(job_id).write_submit_record({"job_id": record_id, "submitted": 1.0})
+    for other in ("sweeps", "prefect-flow-runs", "45"):
+        (tmp_path / other).mkdir()
+    assert sorted(rundir.job_id for rundir, _ in root.jobs()) == ["42", "43"]
+    assert root.submitted("44") is None and root.submitted("45") is None
+    assert root.submitted("42") == (root.run_dir("42"), {"job_id": "42", "submitted": 1.0})
+
+
+def test_a_job_is_found_across_run_roots(tmp_path: Path) -> None:
+    """Sites may name different run roots: a job is the newest submission of its id in any of them (a
+    recycled id), and a run hpc-garage did not submit is the first directory of its id (holding a file)."""
+    first, second = RunRoot(tmp_path / "a"), RunRoot(tmp_path / "b")
+    for root, submitted in ((first, 1.0), (second, 2.0)):
+        root.run_dir("42").path.mkdir(parents=True)
+        root.run_dir("42").write_submit_record({"job_id": "42", "submitted": submitted})
+    found = newest_submitted("42", [first, second])
+    assert found is not None and found[0] == second.run_dir("42")
+    assert newest_submitted("42", [first]) == (first.run_dir("42"), {"job_id": "42", "submitted": 1.0})
+    assert newest_submitted("43", [first, second]) is None
+    second.run_dir("9").path.mkdir()
+    second.run_dir("9").write_state({"phase": "running"})
+    assert first_run_dir("9", [first, second]) == second.run_dir("9")
+    assert first_run_dir("42", [first, second], holding="state.json") is None
+    assert first_run_dir("42", [first, second]) == first.run_dir("42")
+
+
+_JOB = re.compile(r"job_?id|next_job|RUN_ID")  # what names a job's id in hpc-garage's source
+
+
+def _joins_a_root_and_a_job(source: str) -> list[str]:
+    """Where `source` makes a job's run directory itself: a path joined with a job id, a RunDir built from a
+    joined path, or the parent of a run directory (its run root) taken by hand."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and _JOB.search(ast.unparse(node.right)):
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Call) and ast.unparse(node.func).endswith("RunDir") and any(
+                isinstance(arg, ast.BinOp) and isinstance(arg.op, ast.Div) for arg in node.args):
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Attribute) and node.attr == "parent" and re.search(r"run_?dir",
+                                                                                       ast.unparse(node.value)):
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_the_check_finds_a_run_directory_made_by_hand() -> None:
+    spelled = ("a = root / job_id\nb = root / view.job_id\nc = view.run_dir.parent / check_job_id(next_job)\n"
+               "d = RunDir(root / name)\ne = rundir.path.parent\nf = RunDir(root / 'RUN_ID')\n")
+    assert {int(line.split(":")[0]) for line in _joins_a_root_and_a_job(spelled)} == {1, 2, 3, 4, 5, 6}
+    assert _joins_a_root_and_a_job("a = RunRoot(root).run_dir(job_id)\nb = claims / f'{job.flow_run_id}.json'\n"
+                                   "c = rundir.root.run_dir(next_job)\nd = run_root / '%j.out'\n") == []
+
+
+def test_no_other_module_joins_a_run_root_and_a_job_id() -> None:
+    """`<run root>/<job id>` is spelled in rundir.py alone (RunRoot): a module that joins them again fails
+    here, naming file and line."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "rundir.py" and path.parent == PACKAGE:
+            continue
+        found += [f"{path.relative_to(PACKAGE.parent)}:{hit}" for hit in _joins_a_root_and_a_job(path.read_text())]
+    assert not found, "a run directory made outside hpc_garage/rundir.py (use RunRoot):\n" + "\n".join(found)
 
 
 def test_no_other_module_spells_a_name_in_the_run_directory() -> None:
@@ -80,7 +175,7 @@ def test_the_run_directory_of_this_run_comes_from_its_variable(tmp_path: Path) -
 def test_run_clears_what_an_earlier_job_left_in_its_run_directory(tmp_path: Path) -> None:
     """A recycled job id: a corrupt scheduler file, one that is a directory, old credentials are cleared, so
     the new run's COMMAND never reads them."""
-    rundir = RunDir.for_job(tmp_path, "42")
+    rundir = RunRoot(tmp_path).run_dir("42")
     rundir.path.mkdir()
     (rundir.path / "scheduler.json").mkdir()
     (rundir.path / "dask-scheduler.json").write_text('{"address": ')
@@ -98,7 +193,7 @@ def test_a_recycled_job_id_starts_with_no_flow_runs_or_records_of_the_earlier_jo
     job's submission; a requeued job (the same submission) keeps its first start's, for replay."""
     from hpc_garage.rundir import FLOW_RUNS_FILE, UNRECORDED_DIR, UNRECORDED_FILE
 
-    rundir = RunDir.for_job(tmp_path, "42")
+    rundir = RunRoot(tmp_path).run_dir("42")
     rundir.path.mkdir()
 
     def earlier_jobs_files() -> None:
@@ -120,7 +215,7 @@ def test_a_recycled_job_id_starts_with_no_flow_runs_or_records_of_the_earlier_jo
 def test_a_requeue_keeps_the_jobs_own_records_and_clears_only_the_handoff(tmp_path: Path) -> None:
     """The same job started again (requeued after a node failure): its submission is older than what its
     first start wrote, so its records stay for replay; the first start's cluster does not."""
-    rundir = RunDir.for_job(tmp_path, "42")
+    rundir = RunRoot(tmp_path).run_dir("42")
     rundir.path.mkdir()
     rundir.write_submit_record({"job_id": "42", "submitted": time.time()})
     rundir.script_file.write_text("#!/bin/sh\n")

@@ -15,6 +15,7 @@ import pytest
 
 from hpc_garage.core.progress_text import sweep_text
 from hpc_garage.core.request import Request
+from hpc_garage.rundir import RunRoot
 
 import hpc_garage.schedulers as schedulers
 from hpc_garage.schedulers import submission
@@ -438,7 +439,7 @@ def test_status_all_newest_first_one_squeue(lab: Path, fake: FakeSlurm) -> None:
     submission.submit(submission.prepare("t", "flow.py"))
     submission.submit(submission.prepare("t", "flow.py", request=Request(job_name="second")))
     fake.answers["squeue"] = ["8|RUNNING|second|None|node1\n7|PENDING|flow|Priority|\n"]
-    views = submission.status_all([lab / "runs"])
+    views = submission.status_all([RunRoot(lab / "runs")])
     assert [v.job_id for v in views] == ["8", "7"]
     assert [v.summary() for v in views] == ["running", "pending (Priority)"]
     assert fake.commands().count("squeue") == 1

@@ -118,9 +118,9 @@ def test_the_flow_runs_secrets_reach_its_job_through_a_private_file_and_no_scrip
     assert "u:p" not in seen["script"] and f"export HPC_GARAGE_SECRETS={secrets}\n" in seen["script"]
     assert seen["env"] is not None and "PREFECT_API_AUTH_STRING" not in seen["env"]
     assert seen["env"]["HOME"] == str(tmp_path)  # the rest of the environment as sbatch passes it on
-    from hpc_garage.rundir import RunDir
+    from hpc_garage.rundir import RunRoot
 
-    assert "u:p" not in RunDir.for_job(prepared.root, "77").script_file.read_text()
+    assert "u:p" not in RunRoot(prepared.root).run_dir("77").script_file.read_text()
     # inside the job: `run` reads the file (tests/test_cli.py), and its follow-up's sbatch gets no secret
     monkeypatch.setenv("HPC_GARAGE_SECRETS", str(secrets))
     followed = _environ(())
@@ -175,9 +175,9 @@ def test_a_flow_run_is_submitted_once_whatever_its_claim_says(tmp_path: Path, mo
     assert json.loads(claim.read_text())["job_id"] == "42"  # noted: the queue is not asked again
     # it died before it recorded the job: the job gets its run directory as `submit` gives it (status, logs,
     # resume and walltime follow-ups read them), and the dead worker's temporary script goes
-    from hpc_garage.rundir import RunDir
+    from hpc_garage.rundir import RunRoot
 
-    adopted = RunDir.for_job(prepared.root, "42")
+    adopted = RunRoot(prepared.root).run_dir("42")
     record = adopted.submit_record()
     assert record is not None and record["job_id"] == "42" and record["job_name"] == prepared.spec.job_name
     assert record["log"]["path"] == taken.log and adopted.script_file.read_text() == prepared.script

@@ -146,9 +146,10 @@ def status(job_id: str | None, site_name: str | None, as_json: bool) -> None:
         return
     roots = None
     if site_name:
+        from hpc_garage.rundir import RunRoot
         from hpc_garage.sites import load_site
 
-        roots = [submission.run_root(load_site(site_name))]
+        roots = [RunRoot.of_site(load_site(site_name))]
     views = submission.status_all(roots)
     if as_json:
         click.echo(json.dumps([v.to_dict() for v in views], indent=2))

@@ -35,7 +35,7 @@ from hpc_garage.cluster.wind_down import WindDown
 from hpc_garage.core.site import Site
 from hpc_garage.prefect_api import PrefectApi, no_proxy_for, server_host
 from hpc_garage import log
-from hpc_garage.rundir import RunDir
+from hpc_garage.rundir import RunDir, RunRoot
 from hpc_garage.variables import (JOB_ID_ENV, RUN_DIR_ENV, SCHEDULER_FILE_ENV, SITE_ENV, START_TIMEOUT,
                                   WORKER_PRELOAD)
 
@@ -123,7 +123,7 @@ def run(site: Site, command: list[str], *, insecure: bool = False, timeout: floa
     if insecure:
         logger.info("--insecure: the cluster speaks plain tcp; anyone who can reach its ports can run code in it")
     logger.info(f"sweep {swept.key} (results in {swept.results})")
-    rundir = RunDir.for_job(site.run_directory, job_id)
+    rundir = RunRoot.of_site(site).run_dir(job_id)
     rundir.create(rundir.submitted_at())  # a recycled job id: what the earlier job left is cleared
     ending = (_wind_down(site, env, job_id, rundir, Path(swept.results)) if in_job
               else _run_deadline(site, job_id, walltime, Path(swept.results)) if walltime is not None else None)

@@ -204,9 +204,9 @@ def interface(site: Site, names: Callable[[], list[str]] | None = None) -> Check
 
 def run_directory(site: Site) -> Check:
     """Where `submit` writes each job's run directory (created on first use)."""
-    from hpc_garage.files import run_root
+    from hpc_garage.rundir import RunRoot
 
-    return writable("run directory", run_root(site.run_directory),
+    return writable("run directory", RunRoot.of_site(site).path,
                     f"set run_directory in {site_file(site)} to a directory you can write, on storage every "
                     "node shares")
 

@@ -35,9 +35,10 @@ from hpc_garage.core.errors import UserError
 from hpc_garage.core.request import Request
 from hpc_garage.core.request_options import OPTIONS as REQUEST_OPTIONS
 from hpc_garage.files import locked, pid_alive, read_json, write_json
+from hpc_garage.rundir import RunRoot
 from hpc_garage.variables import SECRETS_ENV
 from hpc_garage.schedulers.submission import (CANCEL_MARGIN, JobView, Prepared, adopt, find, next_job_of, prepare,
-                                              refresh, run_root, run_roots, start_wind_down, submit)
+                                              refresh, run_roots, start_wind_down, submit)
 
 __all__ = ["VARIABLES", "FlowRunJob", "Taken", "Busy", "request_of", "prepare_flow_run", "secrets_of",
            "secrets_file", "take", "claim_of", "views", "cancel", "wind_down", "CANCEL_MARGIN", "ended",
@@ -169,7 +170,7 @@ def _write_secrets(job: FlowRunJob, prepared: Prepared) -> None:
 
 
 def claims_dir(prepared: Prepared) -> Path:
-    return run_root(prepared.site) / CLAIMS
+    return RunRoot.of_site(prepared.site).path / CLAIMS
 
 
 def take(job: FlowRunJob, prepared: Prepared) -> Taken:
@@ -209,12 +210,12 @@ def take(job: FlowRunJob, prepared: Prepared) -> Taken:
     return Taken(done.job_id, site, fresh=True, log=done.log)
 
 
-def claim_of(flow_run_id: str, roots: Sequence[Path] | None = None) -> dict[str, Any] | None:
+def claim_of(flow_run_id: str, roots: Sequence[RunRoot] | None = None) -> dict[str, Any] | None:
     """The claim a worker left for this flow run, under any visible site's run root."""
     if not _UUID.fullmatch(flow_run_id):
         return None
     for root in run_roots() if roots is None else roots:
-        if (claim := read_json(root / CLAIMS / f"{flow_run_id}.json")) is not None:
+        if (claim := read_json(root.path / CLAIMS / f"{flow_run_id}.json")) is not None:
             return claim
     return None
 

@@ -29,7 +29,7 @@ from typing import Any
 from hpc_garage.core.pools import JobShape, job_shapes
 from hpc_garage.core.site import Site
 from hpc_garage.core.units import format_walltime
-from hpc_garage.rundir import RunDir
+from hpc_garage.rundir import RunRoot
 
 WORKER_MODULE = "hpc_garage.launchers.jobqueue.worker"
 
@@ -188,9 +188,7 @@ def worker_scripts(site: Site, *, run_root: Path | None = None) -> str:
     """The worker job script of every pool, as it will be submitted (run-specific values as placeholders)."""
     from distributed.security import Security
 
-    from hpc_garage.schedulers.submission import run_root as site_run_root
-
-    rundir = RunDir((run_root or site_run_root(site)) / "RUN_ID")
+    rundir = (RunRoot(run_root) if run_root else RunRoot.of_site(site)).run_dir("RUN_ID")
     tls = rundir.credential_paths()
     security = Security(require_encryption=True, tls_ca_file=tls["tls_ca_file"],
                         tls_worker_cert=tls["tls_worker_cert"], tls_worker_key=tls["tls_worker_key"])

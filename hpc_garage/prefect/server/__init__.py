@@ -5,15 +5,14 @@ managed.py    ours: reused if it answers, else started (its keeper), stopped, sh
 keeper.py     the process that runs the server (`python -m hpc_garage.prefect.server keep`) and stops it when idle
 postgres.py   its database: SQLite, a PostgreSQL of the user's own, or the user's URL
 processes.py  /proc: the processes that use it (leases), that are its own, and stopping them
-state.py      where it is recorded (server.json, per machine and bind address)
+state.py      its directory (ServerDir: every name in it, per machine and bind address) and its record
 ui.py         Prefect's UI on it, behind its auth string
 Every name the rest of hpc-garage uses is imported from here.
 """
 
 from __future__ import annotations
 
-from hpc_garage.prefect.server.state import (IDLE_DEFAULT, LOOPBACK, QUIET, ServerState, machine_name, read_state,
-                                             state_dir)
+from hpc_garage.prefect.server.state import IDLE_DEFAULT, LOOPBACK, QUIET, ServerDir, ServerState, machine_name
 from hpc_garage.prefect.server.postgres import Database, ManagedPostgres, database_choice, postgres_bin
 from hpc_garage.prefect.server.ui import ui_base, ui_settings, ui_status
 from hpc_garage.prefect.server.managed import (BATCHING, START_TIMEOUT, auth_string, ensure_server, managed_api,
@@ -21,6 +20,6 @@ from hpc_garage.prefect.server.managed import (BATCHING, START_TIMEOUT, auth_str
 from hpc_garage.prefect.server.api import configured_api_url, ensure_api
 
 __all__ = ["BATCHING", "IDLE_DEFAULT", "LOOPBACK", "QUIET", "START_TIMEOUT", "Database", "ManagedPostgres",
-           "ServerState", "auth_string", "configured_api_url", "database_choice", "ensure_api", "ensure_server",
-           "machine_name", "managed_api", "postgres_bin", "read_state", "server_status", "state_dir", "stop_server",
+           "ServerDir", "ServerState", "auth_string", "configured_api_url", "database_choice", "ensure_api",
+           "ensure_server", "machine_name", "managed_api", "postgres_bin", "server_status", "stop_server",
            "ui_base", "ui_settings", "ui_status"]

@@ -1,16 +1,15 @@
-"""The keeper: `python -m hpc_garage.prefect.server keep`, the process `managed.py` starts in the state directory.
+"""The keeper: `python -m hpc_garage.prefect.server keep`, the process `managed.py` starts in the server directory.
 
 It starts `prefect server start` (and a PostgreSQL, postgres.py) as its children and stops them and itself once
 the server has been unused for HPC_GARAGE_PREFECT_SERVER_IDLE seconds (default 1800). In use means: a process
 it was handed to still runs (a lease), or the API's flow-run and task-run counts per state moved since the last
 look, or the API did not answer (a busy server is a used one), or a work-pool worker is online or a deployment
-has an active schedule. It stops under the same lock `ensure_server` takes, after removing server.json, so an
-exiting server is never handed out.
+has an active schedule. It stops under the same lock `ensure_server` takes, after forgetting its record (state.py),
+so an exiting server is never handed out.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -23,11 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from hpc_garage.core.errors import UserError
-from hpc_garage.files import locked, write_private
 from hpc_garage.log import setup as setup_messages
 from hpc_garage.prefect.server.postgres import ManagedPostgres, database_choice
 from hpc_garage.prefect.server.processes import die_with_parent, leases_last_use, stop_child
-from hpc_garage.prefect.server.state import ServerState, read_state, url_host
+from hpc_garage.prefect.server.state import ServerDir, ServerState, url_host
 from hpc_garage.variables import PREFECT_SERVER_IDLE
 
 ACTIVE_STATES = ("PENDING", "RUNNING", "CANCELLING", "PAUSED", "SCHEDULED")
@@ -45,8 +43,8 @@ def keep(argv: list[str]) -> int:
     parser.add_argument("--idle", type=float, required=True)
     parser.add_argument("--no-ui", dest="ui", action="store_false")
     args = parser.parse_args(argv)
-    setup_messages(label="hpc-garage server keeper", clock=True, stream="stdout")  # server.log: `...[12:00:00]: ...`
-    directory = Path.cwd()  # managed._start runs the keeper in the state directory
+    setup_messages(label="hpc-garage server keeper", clock=True, stream="stdout")  # its log: `...[12:00:00]: ...`
+    directory = ServerDir(Path.cwd())  # managed._start runs the keeper in the server directory
     signal.signal(signal.SIGTERM, _exit_on_signal)
     signal.signal(signal.SIGINT, _exit_on_signal)
     postgres: ManagedPostgres | None = None
@@ -88,7 +86,7 @@ def keep(argv: list[str]) -> int:
             postgres.stop()
 
 
-def _watch(directory: Path, state: ServerState, server: subprocess.Popen[bytes], idle: float,
+def _watch(directory: ServerDir, state: ServerState, server: subprocess.Popen[bytes], idle: float,
            stop: Callable[[], None]) -> int:
     """Look every few seconds whether the server is used; stop once it has not been for `idle` seconds.
 
@@ -98,9 +96,8 @@ def _watch(directory: Path, state: ServerState, server: subprocess.Popen[bytes],
     last_use, seen = time.time(), None
 
     def record(now: float) -> None:
-        write_private(directory / "activity.json", json.dumps(
-            {"pid": state.pid, "server_pid": server.pid, "last_activity": last_use, "checked": now,
-             "idle_timeout": idle}))
+        directory.write_activity({"pid": state.pid, "server_pid": server.pid, "last_activity": last_use,
+                                  "checked": now, "idle_timeout": idle})
 
     record(last_use)
     while True:
@@ -112,7 +109,7 @@ def _watch(directory: Path, state: ServerState, server: subprocess.Popen[bytes],
         if (code := server.poll()) is not None:
             logger.error(f"prefect server start exited with code {code}")
             if _handed_out(directory, state):
-                with locked(directory / "lock"):
+                with directory.locked():
                     _forget(directory, state)
                     stop()
             else:  # it never answered: `_start` holds the lock, waiting for it to answer or for us to exit
@@ -125,7 +122,7 @@ def _watch(directory: Path, state: ServerState, server: subprocess.Popen[bytes],
         record(now)
         if now - last_use < idle:
             continue
-        with locked(directory / "lock"):  # ensure_server waits: nobody is handed a server that is leaving
+        with directory.locked():  # ensure_server waits: nobody is handed a server that is leaving
             if time.time() - max(last_use, leases_last_use(directory, time.time())) < idle:
                 continue  # handed out while we waited for the lock
             _forget(directory, state)
@@ -135,9 +132,9 @@ def _watch(directory: Path, state: ServerState, server: subprocess.Popen[bytes],
             return 0
 
 
-def _handed_out(directory: Path, state: ServerState) -> bool:
-    """Whether server.json names this keeper: `_start` writes it once the server first answers."""
-    current = read_state(directory)
+def _handed_out(directory: ServerDir, state: ServerState) -> bool:
+    """Whether the directory's record names this keeper: `_start` writes it once the server first answers."""
+    current = directory.state()
     return current is not None and current.pid == state.pid
 
 
@@ -178,11 +175,11 @@ def _api_post(state: ServerState, path: str, body: dict[str, Any]) -> Any:
         return None
 
 
-def _forget(directory: Path, state: ServerState) -> None:
-    """Remove server.json if it still names this keeper (a replacement's is left alone)."""
-    current = read_state(directory)
+def _forget(directory: ServerDir, state: ServerState) -> None:
+    """Forget the server if the record still names this keeper (a replacement's is left alone)."""
+    current = directory.state()
     if current is not None and current.pid == state.pid:
-        (directory / "server.json").unlink(missing_ok=True)
+        directory.forget()
 
 
 def _exit_on_signal(signum: int, frame: Any) -> None:

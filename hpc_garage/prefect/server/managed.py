@@ -9,7 +9,6 @@ HTTP client (hpc_garage/prefect_api.py), which never sends them through a proxy.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -19,16 +18,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from hpc_garage.core.errors import UserError
-from hpc_garage.files import locked, read_json, write_private
 from hpc_garage.prefect.server.postgres import Database, database_choice, postgres_bin
 from hpc_garage.prefect.server.processes import children, hold_lease, leaseholders, process_alive, terminate
-from hpc_garage.prefect.server.state import (IDLE_DEFAULT, LOOPBACK, QUIET, ServerState, machine_name, read_state,
-                                             state_dir, state_path, url_host)
+from hpc_garage.prefect.server.state import (IDLE_DEFAULT, LOOPBACK, QUIET, ServerDir, ServerState, machine_name,
+                                             url_host)
 from hpc_garage.prefect.server.ui import ui_base, ui_settings, ui_status
 from hpc_garage.prefect_api import no_proxy_for
 from hpc_garage.variables import PREFECT_DATABASE, PREFECT_SERVER_IDLE, PREFECT_UI, seconds, switch
@@ -59,15 +56,15 @@ def ensure_server(host: str = LOOPBACK, *, timeout: float = START_TIMEOUT) -> Se
     ui = switch(os.environ, PREFECT_UI, True)
     if database.kind == "postgresql":
         postgres_bin()
-    directory = state_dir(host)
+    directory = ServerDir.here(host)
     # this process, the keeper it may start, and their children reach the server straight, Prefect's own
     # clients included, whatever http_proxy says (issue 23)
     os.environ.update(no_proxy_for([url_host(host)], os.environ))
     for pid, child in list(children.items()):  # servers of ours stopped by someone else (`server stop`, idle)
         if child.poll() is not None:
             children.pop(pid, None)
-    with locked(directory / "lock"):
-        state = read_state(directory)
+    with directory.locked():
+        state = directory.state()
         if state is not None and process_alive(state.pid) and _answers(state, patience=REUSE_PATIENCE):
             hold_lease(directory)
             return state
@@ -88,7 +85,7 @@ def managed_api(recorded: Mapping[str, Any], who: str) -> dict[str, str]:
     if machine != machine_name():
         raise UserError(f"{who}: its Prefect API was hpc-garage's server on {machine} (host {host}, database "
                         f"{database}); run this on {machine}, or set PREFECT_API_URL to a server on that database")
-    state = read_state(state_dir(host))
+    state = ServerDir.here(host).state()
     running = state is not None and process_alive(state.pid) and _answers(state, patience=REUSE_PATIENCE)
     now = state.database if running and state is not None else database_choice(os.environ).label()
     if now != database:
@@ -103,15 +100,15 @@ def stop_server(host: str = LOOPBACK, *, force: bool = True) -> bool:
     """Stop our server for this machine and bind address; False when none was running. `force=False` (what
     `hpc-garage server stop` does unless given --force): UserError, and nothing stopped, while processes it
     was handed still run: a sweep that loses its API mid-run loses its Prefect record from then on."""
-    directory = state_dir(host)
-    with locked(directory / "lock"):
-        state = read_state(directory)
+    directory = ServerDir.here(host)
+    with directory.locked():
+        state = directory.state()
         if not force and state is not None and process_alive(state.pid) and (users := leaseholders(directory)):
             raise UserError(f"server stop: the Prefect server at {state.url} is in use by {len(users)} "
                             f"process{'es' if len(users) > 1 else ''} ({_commands(users)}); stopping it would cut "
                             "them off from their API mid-run. Wait for them to end (it stops by itself "
                             f"{state.idle_timeout:g} s after its last use), or give --force")
-        (directory / "server.json").unlink(missing_ok=True)
+        directory.forget()
         return state is not None and terminate(state)
 
 
@@ -129,14 +126,14 @@ def _commands(pids: list[int], shown: int = 3) -> str:
 
 def server_status(host: str = LOOPBACK) -> dict[str, Any]:
     """What `hpc-garage server status` shows; never the auth string or a password."""
-    directory = state_dir(host)
-    state = read_state(directory)
+    directory = ServerDir.here(host)
+    state = directory.state()
     alive = state is not None and process_alive(state.pid)
-    status: dict[str, Any] = {"state_file": str(directory / "server.json"), "log": str(directory / "server.log"),
+    status: dict[str, Any] = {"state_file": str(directory.state_file), "log": str(directory.log_file),
                               "running": alive, "healthy": bool(alive and state and _answers(state))}
     if state is not None:
         now = time.time()
-        activity = read_json(directory / "activity.json") or {}
+        activity = directory.activity()
         last = float(activity.get("last_activity") or state.started) if activity.get("pid") == state.pid \
             else state.started
         status |= {"url": state.url, "pid": state.pid, "host": state.host, "started": state.started,
@@ -146,7 +143,7 @@ def server_status(host: str = LOOPBACK) -> dict[str, Any]:
                        "in_use_by": leaseholders(directory)}  # pids: `server stop` waits for them (or --force)
             if activity.get("pid") == state.pid and activity.get("server_pid"):
                 status["server_pid"] = int(activity["server_pid"])  # `prefect server start`, beside its keeper
-        status |= ui_status(state, str(directory / "server.json"))
+        status |= ui_status(state, str(directory.state_file))
     return status
 
 
@@ -154,8 +151,8 @@ def auth_string(host: str = LOOPBACK, machine: str | None = None) -> str:
     """The running server's basic-auth string, for the UI's login page (`hpc-garage server auth`). `machine`:
     another machine's server (a job's node), read from the home directory it shares with this one."""
     machine = machine or machine_name()
-    path = state_path(host, machine) / "server.json"
-    state = read_state(path.parent)
+    directory = ServerDir.of(host, machine)
+    path, state = directory.state_file, directory.state()
     here = machine == machine_name()
     if state is None or (here and not process_alive(state.pid)):
         why = "names a server that has ended" if state is not None else "does not exist"
@@ -165,7 +162,7 @@ def auth_string(host: str = LOOPBACK, machine: str | None = None) -> str:
     return state.auth
 
 
-def _start(directory: Path, host: str, timeout: float, idle: float, database: Database, *,
+def _start(directory: ServerDir, host: str, timeout: float, idle: float, database: Database, *,
            ui: bool = True) -> ServerState:
     """Start the keeper on a free port; again on another port when one was taken between our choice and the
     server's bind (another process on a busy login node), at most PORT_TRIES ports."""
@@ -190,22 +187,22 @@ class _PortTaken(Exception):
         self.error = error
 
 
-def _start_on(port: int, directory: Path, host: str, timeout: float, idle: float, database: Database, *,
+def _start_on(port: int, directory: ServerDir, host: str, timeout: float, idle: float, database: Database, *,
               ui: bool) -> ServerState:
     auth = f"hpc-garage:{secrets.token_urlsafe(24)}"
     ui_url = ui_base(f"http://{url_host(host)}:{port}", os.environ) if ui else ""
     env = {**BATCHING, **os.environ, **QUIET,
-           "PREFECT_HOME": str(directory / "home"),
+           "PREFECT_HOME": str(directory.home),
            "PREFECT_SERVER_API_AUTH_STRING": auth,
-           **ui_settings(directory / "home", ui_url)}
+           **ui_settings(directory.home, ui_url)}
     env.pop("PREFECT_API_URL", None)
     package_root = str(Path(__file__).resolve().parents[3])  # the keeper imports this very copy, whatever the cwd
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
     command = [sys.executable, "-m", "hpc_garage.prefect.server", "keep", "--host", host, "--port", str(port),
                "--idle", repr(idle), *([] if ui else ["--no-ui"])]
-    log = directory / "server.log"
+    log = directory.log_file
     with os.fdopen(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as out:
-        process = subprocess.Popen(command, env=env, cwd=directory, stdin=subprocess.DEVNULL, stdout=out,
+        process = subprocess.Popen(command, env=env, cwd=directory.path, stdin=subprocess.DEVNULL, stdout=out,
                                    stderr=subprocess.STDOUT, start_new_session=True)
     children[process.pid] = process
     state = ServerState(url=f"http://{url_host(host)}:{port}/api", pid=process.pid, auth=auth, host=host,
@@ -223,7 +220,7 @@ def _start_on(port: int, directory: Path, host: str, timeout: float, idle: float
                 raise _PortTaken(error)
             raise error
         time.sleep(0.2)
-    write_private(directory / "server.json", json.dumps(asdict(state), indent=2))
+    directory.record(state)
     return state
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from hpc_garage.core.errors import UserError
 from hpc_garage.files import pid_alive, read_json, write_private
 from hpc_garage.prefect.server.processes import die_with_parent, stop_child
+from hpc_garage.prefect.server.state import ServerDir
 from hpc_garage.variables import PREFECT_DATABASE
 
 
@@ -78,9 +79,9 @@ class ManagedPostgres:
 
     PORT = "5432"  # names the socket file only: no TCP
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: ServerDir) -> None:
         self.bin = postgres_bin()
-        self.secrets = directory / "postgres.json"  # 0600: the password; the server's URL is built from it
+        self.secrets = directory.postgres_secrets
         self.run_as: tuple[str, str] | None = None
         if os.geteuid() == 0:  # "root execution of the PostgreSQL server is not permitted"
             user = "postgres" if _user_exists("postgres") else "nobody"
@@ -88,10 +89,10 @@ class ManagedPostgres:
             import pwd
 
             self.run_as = (user, grp.getgrgid(pwd.getpwnam(user).pw_gid).gr_name)
-            digest = _short_hash(str(directory))
+            digest = _short_hash(str(directory.path))
             self.base = Path("/var/tmp") / f"hpc-garage-postgres-{digest}"
         else:
-            self.base = directory / "postgres"
+            self.base = directory.postgres_files
         self.data = self.base / "data"
         self.socket_dir = self.base / "run"
         if len(str(self.socket_dir / f".s.PGSQL.{self.PORT}")) > 100:  # sun_path holds 107 bytes

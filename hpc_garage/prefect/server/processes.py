@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hpc_garage.files import pid_alive, write_private
-from hpc_garage.prefect.server.state import ServerState
+from hpc_garage.prefect.server.state import ServerDir, ServerState
 
 children: dict[int, subprocess.Popen[bytes]] = {}  # servers started by this process, to see early exits
 
@@ -27,30 +27,29 @@ def process_alive(pid: int) -> bool:
     return pid_alive(pid)
 
 
-def hold_lease(directory: Path) -> None:
+def hold_lease(directory: ServerDir) -> None:
     """Mark this process as a user of the server, until it exits (the keeper checks)."""
-    leases = directory / "leases"
-    leases.mkdir(mode=0o700, exist_ok=True)
-    write_private(leases / str(os.getpid()), str(start_ticks(os.getpid())))
+    directory.leases.mkdir(mode=0o700, exist_ok=True)
+    write_private(directory.lease(os.getpid()), str(start_ticks(os.getpid())))
 
 
-def leases_last_use(directory: Path, now: float) -> float:
+def leases_last_use(directory: ServerDir, now: float) -> float:
     """`now` while a leaseholder runs; else the newest lease's time. Leases of ended processes are removed
     (the keeper calls this)."""
     holders, last = _leases(directory, remove_ended=True)
     return now if holders else last
 
 
-def leaseholders(directory: Path) -> list[int]:
+def leaseholders(directory: ServerDir) -> list[int]:
     """The pids of the processes that hold a lease and still run (a run, a flow, a worker using the server).
     Only reads: `server status` and `server stop` change nothing."""
     return _leases(directory, remove_ended=False)[0]
 
 
-def _leases(directory: Path, *, remove_ended: bool) -> tuple[list[int], float]:
+def _leases(directory: ServerDir, *, remove_ended: bool) -> tuple[list[int], float]:
     """(live leaseholders' pids, the newest lease's time)."""
     holders, last = [], 0.0
-    for lease in (directory / "leases").glob("*"):
+    for lease in directory.leases.glob("*"):
         try:
             pid, ticks = int(lease.name), lease.read_text().strip()
             last = max(last, lease.stat().st_mtime)

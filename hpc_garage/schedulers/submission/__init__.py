@@ -8,7 +8,7 @@ here is the data.
 """
 
 from hpc_garage.schedulers.submission.finding import (JobView, check_job_id, find, lookup, records, refresh,
-                                                      results_roots, run_dir_of, run_root, run_roots, status_all)
+                                                      results_roots, run_dir_of, run_roots, status_all)
 from hpc_garage.schedulers.submission.following import (CANCEL_MARGIN, SWEEP_SECONDS, cancel, cancel_follow_up,
                                                         log_files, logs, next_job_of, start_wind_down, wait)
 from hpc_garage.schedulers.submission.submitting import (Prepared, Submitted, adopt, prepare, resubmit, resume,
@@ -16,5 +16,5 @@ from hpc_garage.schedulers.submission.submitting import (Prepared, Submitted, ad
 
 __all__ = ["CANCEL_MARGIN", "SWEEP_SECONDS", "JobView", "Prepared", "Submitted", "adopt", "cancel", "cancel_follow_up",
            "check_job_id", "find", "log_files", "logs", "lookup", "next_job_of", "prepare", "records", "refresh",
-           "resubmit", "results_roots", "resume", "run_dir_of", "run_root", "run_roots", "start_wind_down",
+           "resubmit", "results_roots", "resume", "run_dir_of", "run_roots", "start_wind_down",
            "status_all", "submit", "wait"]

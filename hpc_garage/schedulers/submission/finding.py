@@ -14,22 +14,13 @@ import shutil
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hpc_garage.core.errors import UserError
 from hpc_garage.core.progress_text import progress_text
-from hpc_garage.files import run_root as expand_root
-from hpc_garage.rundir import CLOCK_SLACK, SUBMIT_FILE, RunDir
+from hpc_garage.rundir import CLOCK_SLACK, RunDir, RunRoot, first_run_dir, newest_submitted
 from hpc_garage.schedulers.base import JOB_ID, BatchSystem, JobStatus
 from hpc_garage.sweeps import SweepBook, results_root
-
-if TYPE_CHECKING:
-    from hpc_garage.core.site import Site
-
-
-def run_root(site: Site) -> Path:
-    """Where a site's run directories live (`files.run_dir(site.run_directory, id)` is one of them)."""
-    return expand_root(site.run_directory)
 
 
 @dataclass
@@ -109,7 +100,7 @@ class JobView:
             return (self.state or {}).get("progress"), not self.finished
         if self.run_dir is None or not JOB_ID.fullmatch(job_id) or ".." in job_id:
             return None, False
-        state = RunDir(self.run_dir.parent / job_id).state() or {}
+        state = RunDir(self.run_dir).root.run_dir(job_id).state() or {}
         return state.get("progress"), state.get("phase") == "running" and state.get("exit_code") is None
 
     def to_dict(self, *, sweep: bool = False) -> dict[str, Any]:
@@ -135,15 +126,14 @@ class JobView:
 # ------------------------------------------------------------------------------------------ finding jobs
 
 
-def run_roots() -> list[Path]:
+def run_roots() -> list[RunRoot]:
     """Every run root a visible site names (sites may differ), the default one first."""
-    from hpc_garage.core.site import Site
     from hpc_garage.sites import find_sites, load_site
 
-    roots = [expand_root(Site.model_fields["run_directory"].default)]
+    roots = [RunRoot.default()]
     for path in find_sites().values():
         try:
-            root = run_root(load_site(path))
+            root = RunRoot.of_site(load_site(path))
         except UserError:
             continue
         if root not in roots:
@@ -171,13 +161,11 @@ def results_roots(site_name: str | None = None) -> list[Path]:
     return roots
 
 
-def records(roots: Sequence[Path] | None = None) -> Iterator[tuple[Path, dict[str, Any]]]:
+def records(roots: Sequence[RunRoot] | None = None) -> Iterator[tuple[Path, dict[str, Any]]]:
     """(run directory, submit.json) for every job hpc-garage submitted, in any order."""
     for root in run_roots() if roots is None else roots:
-        for file in root.glob(f"*/{SUBMIT_FILE}") if root.is_dir() else []:
-            record = RunDir(file.parent).submit_record()
-            if record is not None and record.get("job_id") == file.parent.name:
-                yield file.parent, record
+        for rundir, record in root.jobs():
+            yield rundir.path, record
 
 
 def check_job_id(job_id: str) -> str:
@@ -196,14 +184,11 @@ def find(job_id: str, site_name: str | None = None) -> JobView:
         from hpc_garage.sites import load_site
 
         site = load_site(site_name)
-        roots = [run_root(site)]
-    candidates = [
-        (run_dir, rec) for root in (roots or run_roots()) if (run_dir := root / job_id).is_dir()
-        for rec in [RunDir(run_dir).submit_record()] if rec and rec.get("job_id") == job_id
-    ]
-    if candidates:
-        run_dir, record = max(candidates, key=lambda c: c[1].get("submitted") or 0)
-        return JobView(job_id=job_id, record=record, run_dir=run_dir, batch=get(record.get("scheduler", "slurm")))
+        roots = [RunRoot.of_site(site)]
+    if (found := newest_submitted(job_id, roots or run_roots())) is not None:
+        rundir, record = found
+        return JobView(job_id=job_id, record=record, run_dir=rundir.path,
+                       batch=get(record.get("scheduler", "slurm")))
     batch = get(site.scheduler) if site_name else _guess_batch(job_id)
     return JobView(job_id=job_id, record=None, run_dir=None, batch=batch)
 
@@ -246,7 +231,7 @@ def refresh(view: JobView, status: JobStatus | None | bool = False) -> JobView:
     return view
 
 
-def status_all(roots: Sequence[Path] | None = None) -> list[JobView]:
+def status_all(roots: Sequence[RunRoot] | None = None) -> list[JobView]:
     """Every job with a run directory, newest first, each batch system asked once."""
     from hpc_garage.schedulers import get
 
@@ -272,8 +257,5 @@ def run_dir_of(view: JobView, holding: str | None = None) -> Path | None:
     job written by hand) the first one of that id under a run root (that holds `holding`, where given)."""
     if view.run_dir is not None:
         return view.run_dir
-    for root in run_roots():
-        candidate = root / view.job_id
-        if (candidate / holding).exists() if holding else candidate.is_dir():
-            return candidate
-    return None
+    found = first_run_dir(view.job_id, run_roots(), holding)
+    return found.path if found is not None else None

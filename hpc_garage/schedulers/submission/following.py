@@ -59,9 +59,9 @@ def next_job_of(view: JobView) -> JobView | None:
     next_job = (view.state or {}).get("next_job")
     if not isinstance(next_job, str) or view.run_dir is None:
         return None
-    run_dir = view.run_dir.parent / check_job_id(next_job)
-    record = RunDir(run_dir).submit_record()
-    return JobView(job_id=next_job, record=record, run_dir=run_dir if record else None, batch=view.batch)
+    rundir = RunDir(view.run_dir).root.run_dir(check_job_id(next_job))
+    record = rundir.submit_record()
+    return JobView(job_id=next_job, record=record, run_dir=rundir.path if record else None, batch=view.batch)
 
 
 def cancel(view: JobView, report: Callable[[str], None] | None = None, *, now: bool = False,

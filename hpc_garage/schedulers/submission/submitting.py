@@ -23,9 +23,9 @@ from hpc_garage.core.errors import UserError
 from hpc_garage.core.request import Request
 from hpc_garage.core.sweep import SweepKey
 from hpc_garage.files import read_secrets, write_private
-from hpc_garage.rundir import RunDir
+from hpc_garage.rundir import RunDir, RunRoot
 from hpc_garage.schedulers.base import JOB_ID, BatchSystem
-from hpc_garage.schedulers.submission.finding import find, refresh, results_roots, run_root
+from hpc_garage.schedulers.submission.finding import find, refresh, results_roots
 from hpc_garage.sweeps import SweepBook, add_job, next_epoch, sweep_of
 from hpc_garage.variables import SECRETS_ENV
 
@@ -80,7 +80,7 @@ def prepare(
     script_path = os.path.join(workdir, os.path.expanduser(script))
     if must_exist:
         _check_script(script_path)
-    root = run_root(site)
+    root = RunRoot.of_site(site).path
     name = job_name_for(request.job_name, script_path)
     output = _absolute(output, workdir, "--output") if output else batch.default_output(root, name)
     error = _absolute(error, workdir, "--error") if error else None
@@ -146,7 +146,7 @@ def adopt(prepared: Prepared, job_id: str) -> Submitted:
     from hpc_garage.schedulers import get
 
     batch = get(prepared.spec.scheduler)
-    rundir = RunDir.for_job(prepared.root, job_id)
+    rundir = RunRoot(prepared.root).run_dir(job_id)
     if (record := rundir.submit_record()) is not None:
         return Submitted(job_id, rundir.path, record["log"].get("path") or "", record["log"].get("error_path"),
                          record)
@@ -192,11 +192,12 @@ def resubmit(previous: Path, *, after: str | None, how: str) -> Submitted:
                         f"{earlier.submit_file.name}); "
                         "submit the script again with `hpc-garage submit --resume`")
     batch = get(record.get("scheduler", "slurm"))
-    output = batch.follow_up_output(record["log"]["output"], previous.parent, record["job_name"])
+    root = earlier.root.path
+    output = batch.follow_up_output(record["log"]["output"], root, record["job_name"])
     record = {**record, "log": {**record["log"], "output": output}, "follows": record["job_id"]}
     for stale in ("job_id", "submitted"):
         record.pop(stale, None)
-    return _hand_over(batch, previous.parent, earlier.script_file.read_text(),
+    return _hand_over(batch, root, earlier.script_file.read_text(),
                       lambda temp: batch.follow_up_argv(temp, after, output), record, how)
 
 
@@ -248,17 +249,17 @@ def _hand_over(batch: BatchSystem, root: Path, script: str, submit_argv: Callabl
         argv = submit_argv(Path(temp))
         job_id = batch.parse_job_id(batch.run(argv) if env is None else batch.run(argv, env=env))
         # undone in reverse: the job is cancelled first, then its log and run directory go
-        run_dir = RunDir.for_job(root, job_id).path
-        if not run_dir.exists():
-            undo.append(lambda: shutil.rmtree(run_dir, ignore_errors=True))
+        rundir = RunRoot(root).run_dir(job_id)
+        if not rundir.path.exists():
+            undo.append(lambda: shutil.rmtree(rundir.path, ignore_errors=True))
         logs = record["log"]
         new_logs = [Path(p) for p in (batch.log_path(logs["output"], job_id, record["job_name"]),
                                       batch.log_path(logs["error"], job_id, record["job_name"]) if logs.get("error")
                                       else None) if p and not os.path.exists(p)]  # never a user's old file
         undo.append(lambda: [p.unlink(missing_ok=True) for p in new_logs])
         undo.append(lambda: _cancel_quietly(batch, job_id))
-        run_dir.mkdir(mode=0o700, exist_ok=True)
-        os.replace(temp, RunDir.for_job(root, job_id).script_file)
+        rundir.path.mkdir(mode=0o700, exist_ok=True)
+        os.replace(temp, rundir.script_file)
         return _record_job(batch, root, job_id, record, how)
     except BaseException:
         for step in reversed(undo):
@@ -271,7 +272,7 @@ def _hand_over(batch: BatchSystem, root: Path, script: str, submit_argv: Callabl
 
 def _record_job(batch: BatchSystem, root: Path, job_id: str, record: dict[str, Any], how: str) -> Submitted:
     """The job's run directory (its job.sh in place) gets submit.json, and its sweep the job."""
-    rundir = RunDir.for_job(root, job_id)
+    rundir = RunRoot(root).run_dir(job_id)
     logs = record["log"]
     log = batch.log_path(logs["output"], job_id, record["job_name"])
     error_log = batch.log_path(logs["error"], job_id, record["job_name"]) if logs.get("error") else None
