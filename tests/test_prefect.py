@@ -257,3 +257,52 @@ def test_sweep_example_on_the_local_fallback(api: dict[str, str], tmp_path: Path
     assert len(result["records"]) == 4 and all(r["pid"] != os.getpid() for r in result["records"])
     assert "Starting temporary server" not in done.stdout + done.stderr  # one API, not one per worker
     assert "sweep: 4 experiments" in done.stdout
+
+
+SIGNALLED_FLOW = """
+import os, signal, sys, time
+from pydantic import BaseModel, field_serializer
+from prefect import flow, task
+from hpc_garage.prefect import fast
+from hpc_garage.prefect.task_runner import task_runner
+
+class Hook(BaseModel):
+    value: int = 0
+
+    @field_serializer("value")
+    def _signalled(self, value: int) -> int:  # SIGTERM lands while pydantic serializes (issue 31)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)  # Prefect's handler raises TerminationSignal here, inside the serializer
+        return value
+
+settings = fast.Submitter._settings
+fast.Submitter._settings = lambda self: (Hook().model_dump(), settings(self))[1]
+
+@task
+def one() -> int:
+    return 1
+
+@flow(task_runner=task_runner(address=sys.argv[1]))
+def signalled() -> int:
+    return one.submit().result()
+
+signalled()
+"""
+
+
+def test_a_termination_signal_inside_a_submissions_serialization_crashes_the_flow_run(
+        cluster: SpecCluster, tmp_path: Path) -> None:
+    """Prefect ends a flow run that SIGTERM stops as Crashed (a wind-down's follow-up job depends on it),
+    even when the signal lands inside pydantic, which wraps it in a PydanticSerializationError."""
+    from prefect import get_client
+
+    script = tmp_path / "signalled.py"
+    script.write_text(SIGNALLED_FLOW)
+    done = subprocess.run([sys.executable, str(script), cluster.scheduler_address], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == -15, done.stdout + done.stderr  # Prefect re-sends SIGTERM to end the process
+    with get_client(sync_client=True) as client:
+        runs = [r for r in client.read_flow_runs() if r.name and r.flow_id and r.state is not None]
+        signalled = [r for r in runs if client.read_flow(r.flow_id).name == "signalled"]
+    assert [r.state.type.value for r in signalled] == ["CRASHED"], (signalled, done.stderr[-3000:])
+    assert "PydanticSerializationError" not in done.stderr, done.stderr[-3000:]

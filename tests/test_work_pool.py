@@ -422,16 +422,20 @@ def test_a_bad_job_variable_fails_the_flow_run_at_once_in_one_line_and_submits_n
 @pytest.mark.slow
 def test_a_sweep_past_its_walltime_goes_on_in_a_follow_up_job_as_the_same_flow_run(garage: Garage,
                                                                                  tmp_path: Path) -> None:
-    """`requeue: auto` and a 60 s walltime (winding down 15 s before) for about 50 s of trials on 4 GPUs: `run`
-    winds down and submits a follow-up job; the worker follows the flow run into it; one flow run COMPLETED.
-    A short checkpoint_grace (the trials never checkpoint): with the default 60 s, a 60 s job winds down
-    half-way, and a loaded machine's follow-up job can end before it reaches a trial the sweep still lacks."""
+    """`requeue: auto` and a 120 s walltime (winding down 15-20 s before) for about 120 s of trials on 4 GPUs:
+    `run` winds down and submits a follow-up job; the worker follows the flow run into it; one flow run
+    COMPLETED. A short checkpoint_grace (the trials never checkpoint): with the default 60 s, a job winds down
+    half-way, and a loaded machine's follow-up job can end before it reaches a trial the sweep still lacks.
+    The walltime is sized for a loaded machine (CI: 2 cores, load ~10-20), where starting a job took 49 s: a
+    60 s walltime left no time for a trial, so every job wound down before its first and the chain never
+    progressed; 120 s leaves ~50 s of trials per job under that load, and the sweep still outlasts one job
+    on an idle machine."""
     site = tmp_path / "lab-gpu-requeue.yaml"
     site.write_text((ROOT / "site-configs" / "lab-gpu.yaml").read_text()
                     + "requeue: auto\nwalltime_margin: 15s\ncheckpoint_grace: 5s\n")
     out = tmp_path / "sweep.json"
-    flow_run_id = garage.run({"seeds": 20, "duration": 5, "out": str(out)},
-                             {"site": str(site), "nodes": 2, "gpus_per_node": 2, "time": "1"})
+    flow_run_id = garage.run({"seeds": 20, "duration": 12, "out": str(out)},
+                             {"site": str(site), "nodes": 2, "gpus_per_node": 2, "time": "2"})
 
     def ended(run: dict[str, Any]) -> bool:  # a job's engine leaves it Crashed until the worker moves it on
         return run["state_type"] in ("COMPLETED", "FAILED", "CANCELLED") or (

@@ -32,7 +32,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 import dask
 from prefect.context import FlowRunContext, TagsContext
@@ -178,7 +178,7 @@ class HpcTaskRunner(DaskTaskRunner):
                     self._metrics.start(self.client)
         task = self._sweep_tasks(task)
         resources = self._resources(task)
-        with dask.annotate(resources=resources) if resources else contextlib.nullcontext():
+        with signals_unwrapped(), dask.annotate(resources=resources) if resources else contextlib.nullcontext():
             return self._submit(task, parameters, wait_for, dependencies)
 
     def _resources(self, task: Any) -> dict[str, float] | None:
@@ -258,6 +258,35 @@ class HpcTaskRunner(DaskTaskRunner):
                 f"workers hold it ({SITE_ENV}, `hpc-garage show`)"
             )
         self._placeable.add(key)
+
+
+@contextlib.contextmanager
+def signals_unwrapped() -> Iterator[None]:
+    """A termination signal (Prefect's TerminationSignal for SIGTERM, KeyboardInterrupt) that lands while
+    a library runs Python code for it comes out wrapped: pydantic's serializers (the settings and contexts
+    every submission serializes) turn it into a PydanticSerializationError caused by it. Prefect's engine
+    takes that for the flow's own error (Failed, not Crashed), so a wind-down's follow-up job is never
+    submitted (issue 31). Raise the signal itself instead."""
+    try:
+        yield
+    except Exception as exc:
+        if (stop := _signal_in(exc)) is None:
+            raise
+        raise stop from None
+
+
+def _signal_in(exc: BaseException) -> BaseException | None:
+    """The termination signal among `exc`'s causes, if any."""
+    from prefect.exceptions import ExternalSignal
+
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, (ExternalSignal, KeyboardInterrupt)):
+            return cause
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return None
 
 
 def worker_resources() -> list[dict[str, float]]:
