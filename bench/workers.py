@@ -53,22 +53,29 @@ def main(argv: list[str] | None = None) -> int:
     scheduler = sub.add_parser("scheduler", help="internal: the scheduler process")
     scheduler.add_argument("directory", type=Path)
     scheduler.add_argument("--expected", type=int, required=True)
+    scheduler.add_argument("--dask-defaults", action="store_true")
     workers = sub.add_parser("workers", help="internal: one process of workers")
     workers.add_argument("directory", type=Path)
     workers.add_argument("--first", type=int, required=True)
     workers.add_argument("--count", type=int, required=True)
+    workers.add_argument("--cluster", type=int, required=True, help="workers in the whole cluster")
+    workers.add_argument("--dask-defaults", action="store_true")
     parser.add_argument("--sizes", default="128,256,512,1024")
     parser.add_argument("--per-process", type=int, default=128, help="distributed.Worker objects per process")
     parser.add_argument("--tasks", type=int, default=50_000)
     parser.add_argument("--task-sizes", default="", help="sizes that also run the tasks (default: the largest)")
     parser.add_argument("--hold", type=float, default=600.0, help="seconds the task run lasts at least")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds for all workers to register")
+    parser.add_argument("--dask-defaults", action="store_true",
+                        help="Dask's own settings, not hpc-garage's for large clusters (launchers.common.cluster_settings)")
     parser.add_argument("--runs", type=int, default=1, help="accepted for `python -m bench`; one run per size")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     if args.role == "scheduler":
+        _configure(args.expected, args.dask_defaults)
         return asyncio.run(_scheduler(args.directory, args.expected))
     if args.role == "workers":
+        _configure(args.cluster, args.dask_defaults)
         return asyncio.run(_workers(args.directory, args.first, args.count))
     if not args.out:
         parser.error("--out is required")
@@ -77,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     samples = []
     for n in sizes:
         try:
-            sample = measure(n, args.per_process, args.tasks if n in with_tasks else 0, args.hold, args.timeout)
+            sample = measure(n, args.per_process, args.tasks if n in with_tasks else 0, args.hold, args.timeout,
+                             args.dask_defaults)
         except Exception as exc:  # noqa: BLE001 - reported, not fatal: the larger sizes may not fit
             say(f"workers: {n} failed: {type(exc).__name__}: {exc}"[:400])
             samples.append({"workers": n, "error": f"{type(exc).__name__}: {exc}"[:300]})
@@ -91,7 +99,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def measure(n: int, per_process: int, tasks: int, hold: float, timeout: float) -> dict[str, Any]:
+def _configure(workers: int, defaults: bool) -> None:
+    """hpc-garage's Dask settings for a cluster this size, as `run` sets them (unless --dask-defaults)."""
+    if not defaults:
+        import dask
+
+        from hpc_garage.launchers.common import cluster_settings
+
+        dask.config.set(cluster_settings(workers))
+
+
+def measure(n: int, per_process: int, tasks: int, hold: float, timeout: float,
+            defaults: bool = False) -> dict[str, Any]:
     """One size: a scheduler process, ceil(n / per_process) worker processes, the figures; all ended after."""
     from hpc_garage.rundir import RunDir
 
@@ -101,15 +120,18 @@ def measure(n: int, per_process: int, tasks: int, hold: float, timeout: float) -
     tls = rundir.write_credentials()  # the job's per-run TLS credentials, as `run` writes them
     (directory / "tls.json").write_text(json.dumps(tls))
     argv = [PYTHON, "-m", "bench.workers"]
+    flags = ["--dask-defaults"] if defaults else []
     env = {**os.environ, "DASK_LOGGING__DISTRIBUTED": "error"}  # 1,024 workers' start and close chatter
-    processes = [subprocess.Popen([*argv, "scheduler", str(directory), "--expected", str(n)], cwd=ROOT, env=env)]
+    processes = [subprocess.Popen([*argv, "scheduler", str(directory), "--expected", str(n), *flags], cwd=ROOT, env=env)]
     try:
         address = _wait_for(directory / "address", 120, processes).read_text().strip()
         started = time.time()
         for first in range(0, n, per_process):
             processes.append(subprocess.Popen([*argv, "workers", str(directory), "--first", str(first),
-                                               "--count", str(min(per_process, n - first))], cwd=ROOT, env=env))
+                                               "--count", str(min(per_process, n - first)),
+                                               "--cluster", str(n), *flags], cwd=ROOT, env=env))
         _wait_for(directory / "registered", timeout, processes)
+        settings = json.loads((directory / "settings.json").read_text())
         load = os.getloadavg()[0]
         rss = {"scheduler_mb": _rss_mb(processes[0].pid),
                "worker_process_mb": max(_rss_mb(p.pid) for p in processes[1:])}
@@ -122,7 +144,7 @@ def measure(n: int, per_process: int, tasks: int, hold: float, timeout: float) -
         for p in reversed(processes):
             _end(p)
         shutil.rmtree(directory, ignore_errors=True)
-    return analyse(stats, n, started) | {"load": load, "tasks": run, "rss": rss}
+    return analyse(stats, n, started) | {"load": load, "tasks": run, "rss": rss, "settings": settings}
 
 
 def _rss_mb(pid: int) -> float:
@@ -211,6 +233,10 @@ async def _scheduler(directory: Path, expected: int) -> int:
         return reply
 
     scheduler.handlers[HEARTBEAT_HANDLER] = heartbeat
+    import dask
+
+    keys = ("distributed.comm.timeouts.connect", "distributed.comm.timeouts.tcp", "distributed.scheduler.worker-ttl")
+    (directory / "settings.json").write_text(json.dumps({k: str(dask.config.get(k)) for k in keys}))
     await scheduler
     (directory / "address.tmp").write_text(scheduler.address)
     os.replace(directory / "address.tmp", directory / "address")
@@ -253,6 +279,10 @@ async def _workers(directory: Path, first: int, count: int) -> int:
         await asyncio.sleep(0.5)  # until the scheduler has written what it saw (removals after it are ours)
     await asyncio.gather(*(w.close(timeout=5) for w in workers), return_exceptions=True)
     return 0
+
+
+def _spelled(settings: dict[str, str]) -> str:
+    return ", ".join(f"{k.rsplit('.', 1)[1]} {v}" for k, v in settings.items())
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -299,7 +329,7 @@ def summarize(samples: list[dict[str, Any]], tasks: int, hold: float, per_proces
                 f"{reg['lag_median_s']:.2f} s, p99 {reg['lag_p99_s']:.2f} s, max {reg['lag_max_s']:.2f} s; after: "
                 f"p99 {after['lag_p99_s']:.2f} s, max {after['lag_max_s']:.2f} s; removed {s['removed']} "
                 f"({s['removed_for_heartbeats']} for missed heartbeats, worker-ttl {s['worker_ttl_s']} s); "
-                f"{per_process} workers per process (RSS {s['rss']['worker_process_mb']:.0f} MB each, the "
+                f"Dask settings {_spelled(s['settings'])}; {per_process} workers per process (RSS {s['rss']['worker_process_mb']:.0f} MB each, the "
                 f"scheduler {s['rss']['scheduler_mb']:.0f} MB); load {s['load']:.1f}")
         figures.append(Figure(group, label, "s", [s["registration_s"]], ours=True, note=note))
         if run := s.get("tasks"):
