@@ -49,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--startup-nodes", help="node counts for the start-up benchmark (default 1,2; 1 with --quick)")
     parser.add_argument("--worker-tasks", type=int, default=50_000, help="the workers benchmark's tasks (issue 32)")
     parser.add_argument("--worker-hold", type=int, default=600, help="the workers benchmark's task run, seconds at least")
+    parser.add_argument("--worker-sizes", default="128,256,512,1024", help="the workers benchmark's cluster sizes")
+    parser.add_argument("--worker-task-sizes", default="", help="sizes the tasks run at (default: the largest)")
     args = parser.parse_args(argv)
     runs = args.runs or (1 if args.quick else 5)
     out = args.out or (Path(tempfile.mkdtemp(prefix="hpc-garage-bench-quick-")) if args.quick else RESULTS)
@@ -70,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         target = out / f"{name}.json"
         extra = ["--nodes", args.startup_nodes] if name == "startup" and args.startup_nodes else []
         if name == "workers":
-            extra = ["--tasks", str(args.worker_tasks), "--hold", str(args.worker_hold)]
+            extra = ["--tasks", str(args.worker_tasks), "--hold", str(args.worker_hold), "--sizes", args.worker_sizes,
+                     "--task-sizes", args.worker_task_sizes]
         code = _run([PYTHON, "-m", f"bench.{_module(name)}", *_arguments(name, args.quick, runs, out), *extra,
                      "--out", str(target)], out / f"{name}.log")
         if code != 0 or not target.exists():
@@ -81,7 +84,9 @@ def main(argv: list[str] | None = None) -> int:
         target.unlink()
         command = "python -m bench" + (" --quick" if args.quick else "") + f" --only {name} --runs {runs}" + (
             f" --startup-nodes {args.startup_nodes}" if extra and name == "startup" else "") + (
-            f" --worker-tasks {args.worker_tasks} --worker-hold {args.worker_hold}" if name == "workers" else "")
+            f" --worker-tasks {args.worker_tasks} --worker-hold {args.worker_hold} --worker-sizes {args.worker_sizes}"
+            + (f" --worker-task-sizes {args.worker_task_sizes}" if args.worker_task_sizes else "") if name == "workers"
+            else "")
         store_run(out, name, sections[name], at_start, command, os.getloadavg()[0], runs, args.quick)
     report = {"machine": info, "quick": args.quick, "runs": runs, "seconds": round(time.monotonic() - started, 1),
               "benchmarks": sections}

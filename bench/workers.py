@@ -324,7 +324,7 @@ def summarize(samples: list[dict[str, Any]], tasks: int, hold: float, per_proces
             figures.append(Figure(group, label, "s", [], ours=True, note=s["error"]))
             continue
         reg, after = s["registering"], s["after"]
-        note = (f"scheduler main-thread CPU per worker {s['cpu_per_worker_s'] * 1000:.2f} ms; processes started -> "
+        note = (f"{s['workers']:,} workers: scheduler main-thread CPU per worker {s['cpu_per_worker_s'] * 1000:.2f} ms; processes started -> "
                 f"all registered {s['from_start_s']:.1f} s; heartbeat lag while registering median "
                 f"{reg['lag_median_s']:.2f} s, p99 {reg['lag_p99_s']:.2f} s, max {reg['lag_max_s']:.2f} s; after: "
                 f"p99 {after['lag_p99_s']:.2f} s, max {after['lag_max_s']:.2f} s; removed {s['removed']} "
@@ -335,7 +335,7 @@ def summarize(samples: list[dict[str, Any]], tasks: int, hold: float, per_proces
         if run := s.get("tasks"):
             figures.append(Figure(f"{s['workers']:,} workers: {run['tasks']:,} trivial tasks (Client.map), held "
                                   f"{run['held_s']:.0f} s (asked {hold:.0f} s)", label, "tasks/s", [run["rate"]],
-                                  ours=True, note=(f"{run['seconds']:.1f} s for the tasks; result right: {run['right']}; "
+                                  ours=True, note=(f"{s['workers']:,} workers: {run['seconds']:.1f} s for the tasks; result right: {run['right']}; "
                                                    f"workers after {run['workers_after']} of {s['workers']}; removed "
                                                    f"during the whole size {s['removed']}")))
     model = refit(good)
