@@ -144,13 +144,14 @@ def start_worker_forkserver(env: Mapping[str, str], preload: list[str]) -> None:
     skip_forkserver_optional_preload()
 
 
-# Issue 32: what the workers benchmark (bench/workers.py, its stored runs in bench/results/runs/*-workers.md)
-# showed a cluster of many workers on one scheduler needs. Workers connect all at once; the scheduler answers
-# their TLS handshakes one at a time on its event loop, so the last waits about the whole registration window,
-# which passed Dask's 30 s connect timeout at 256-512 workers on the shared 2-core machine (each timed-out
-# worker starts its handshake over, adding to the queue). Dask asks for a heartbeat every n/200 + 1 s past 200
-# workers, which nears its fixed 5-minute worker TTL at tens of thousands of workers.
-CONNECT_SECONDS_PER_WORKER = 0.1  # ~2x the measured window per worker at 256 under load 19 (15.9 s / 256)
+# Issue 32: what the workers benchmark (bench/workers.py) showed a cluster of many workers on one scheduler
+# needs. Workers connect all at once; the scheduler answers their TLS handshakes one at a time on its event
+# loop, so the last waits about the whole registration. With Dask's 30 s connect timeout (`--dask-defaults`;
+# that run was stopped before 1,024, so not stored) 512 workers took 193 s to register at load 17, over a
+# thousand handshakes timed out and started over, and the scheduler spent 12.3 ms of CPU per worker; with
+# these settings (bench/results/runs/20261127-222609-workers.md) 10.9 s and 3.4 ms. Dask asks for a heartbeat
+# every n/200 + 1 s past 200 workers, which nears its fixed 5-minute worker TTL at tens of thousands.
+CONNECT_SECONDS_PER_WORKER = 0.1  # ~2x the window per worker measured at 256 with Dask's defaults (15.9 s)
 CONNECT_SECONDS_MAX = 600.0
 TTL_HEARTBEATS = 5  # a worker is removed after this many heartbeat intervals unheard (never under Dask's 300 s)
 LARGE_CLUSTER = 256  # up to this many workers Dask's own settings held (registered in 16 s): nothing is set
