@@ -241,6 +241,33 @@ def test_report_cost_is_per_call_against_the_loop_that_never_reports_and_latency
     assert out["latency"][PLAIN]["samples"] == 2 and NEVER not in out["latency"]
 
 
+def test_workers_bench_reads_registration_cpu_heartbeat_lags_and_removals_from_the_schedulers_record() -> None:
+    from bench.workers import analyse, refit, summarize
+
+    stats = {"added": [100.0, 101.0, 104.0], "cpu": [[1.0, 2.0], [1.5, 2.5], [2.0, 4.0]],
+             "lag": [[100.5, 0.1], [102.0, 0.3], [103.0, 0.2], [110.0, 2.0], [111.0, -0.1]],
+             "removed": [[120.0, "check-worker-ttl-120"], [121.0, "handle-worker-cleanup-121"]], "ttl_s": 300}
+    one = analyse(stats, 3, started=98.0)
+    assert one["registration_s"] == 4.0 and one["from_start_s"] == 6.0
+    assert one["cpu_per_worker_s"] == 0.5 and one["window_cpu_s"] == 1.0 and one["process_cpu_s"] == 2.0
+    assert one["registering"]["heartbeats"] == 3 and one["registering"]["lag_median_s"] == 0.2
+    assert one["registering"]["lag_max_s"] == 0.3 and one["after"]["lag_max_s"] == 2.0
+    assert one["removed"] == 2 and one["removed_for_heartbeats"] == 1
+    sizes = [{"workers": w, "registration_s": 1 + 0.01 * w, "window_cpu_s": 0.002 * (w - 1)} for w in (128, 256, 512)]
+    model = refit(sizes)
+    assert model is not None and abs(model["per_worker_s"] - 0.01) < 1e-9 and abs(model["intercept_s"] - 1) < 1e-9
+    assert abs(model["cpu_per_worker_s"] - 0.002) < 1e-9 and model["largest"] == 512
+    assert abs(model["predicted_s"] - 0.002 * model["target"]) < 1e-6  # the serial part: scheduler CPU
+    assert refit(sizes[:1]) is None  # one size is no line
+    sample = one | {"load": 1.0, "settings": {"distributed.comm.timeouts.connect": "30s"}, "rss": {"scheduler_mb": 1.0, "worker_process_mb": 2.0},
+                    "tasks": {"tasks": 10, "seconds": 2.0, "rate": 5.0, "held_s": 3.0, "right": True, "workers_after": 3}}
+    result = summarize([sample, {"workers": 1024, "error": "TimeoutError: registered not written"}], 10, 3.0, 128)
+    groups = [f["group"] for f in result["figures"]]
+    assert any(g.startswith("3 workers on one scheduler") for g in groups)
+    assert any(g.startswith("1,024 workers") and not f["values"] for g, f in zip(groups, result["figures"]))
+    assert [f["values"] for f in result["figures"] if f["unit"] == "tasks/s"] == [[5.0]]
+
+
 def test_the_benchmarks_page_shows_figures_only_from_stored_outputs() -> None:
     """docs/benchmarks.md includes bench/results/ files for its figures: no table or ratio of its own."""
     page = (ROOT / "docs" / "benchmarks.md").read_text().splitlines()

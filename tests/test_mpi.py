@@ -153,3 +153,24 @@ def test_listening_host_agrees_with_distributed() -> None:
     with pytest.raises(UserError, match="'nosuch0' does not exist on .*fix the site's interface"):
         listening_host({"interface": "nosuch0"})
     assert socket.gethostname()  # the message names this host
+
+
+def test_large_clusters_get_longer_connect_timeouts_and_a_ttl_of_several_heartbeats() -> None:
+    import dask
+
+    from hpc_garage.launchers.common import CONNECT_SECONDS_MAX, LARGE_CLUSTER, cluster_settings, dask_environment
+
+    defaults = {"distributed.comm.timeouts.connect": "30s", "distributed.scheduler.worker-ttl": "5 minutes"}
+    assert cluster_settings(LARGE_CLUSTER, defaults.get) == {}  # Dask's own held there
+    assert cluster_settings(1024, defaults.get) == {"distributed.comm.timeouts.connect": "102s"}
+    huge = cluster_settings(32768, defaults.get)  # heartbeats every 32768/200 + 1 = 164.84 s
+    assert huge == {"distributed.comm.timeouts.connect": f"{CONNECT_SECONDS_MAX:.0f}s",
+                    "distributed.scheduler.worker-ttl": "824s"}
+    users = {"distributed.comm.timeouts.connect": "20 minutes", "distributed.scheduler.worker-ttl": None}
+    assert cluster_settings(32768, users.get) == {}  # a larger timeout, or no TTL at all, is the user's to keep
+    variables = dask_environment(huge)
+    assert variables == {"DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT": "600s",
+                         "DASK_DISTRIBUTED__SCHEDULER__WORKER_TTL": "824s"}
+    read = dask.config.collect_env(variables)  # what a worker's dask reads from them
+    assert read["distributed"]["comm"]["timeouts"]["connect"] == "600s"
+    assert dask.config.get("distributed.scheduler.worker-ttl", config=read) == "824s"

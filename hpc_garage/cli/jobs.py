@@ -17,6 +17,10 @@ def _submit_prepared(prepared: Any, dry_run: bool, wait: bool, walltime: int | N
     `walltime`: the user's --time, which bounds a driver that runs here (and its worker jobs)."""
     for line in prepared.layout.leftovers:
         click.echo(f"note: unused: {line}", err=True)
+    from hpc_garage.core.scheduler_limit import past_one_scheduler
+
+    if past := past_one_scheduler(prepared.layout.worker_count):  # warned, not refused: see the module
+        click.echo(f"warning: {past}", err=True)
     jobqueue = prepared.site.launcher == "jobqueue"
     if dry_run:
         click.echo(prepared.script, nl=False)

@@ -29,16 +29,20 @@ if TYPE_CHECKING:
 __all__ = ["import_beside", "new", "retire", "start"]
 
 
-def new(launcher: Launcher, rundir: RunDir, tls: dict[str, str] | None) -> Scheduler:
+def new(launcher: Launcher, rundir: RunDir, tls: dict[str, str] | None,
+        settings: Mapping[str, str] | None = None) -> Scheduler:
     """The scheduler, not started yet (the caller holds it from now on, so that teardown closes it whatever
     step start-up stops at): TLS unless `tls` is None (its credentials written first), resource tasks placed
-    only on workers with them free (cluster/placement.py, every launcher)."""
+    only on workers with them free (cluster/placement.py, every launcher). `settings`: Dask configuration for
+    this cluster's size (launchers.common.cluster_settings), set before the scheduler reads it."""
+    import dask
     from distributed import Scheduler
 
     from hpc_garage.cluster.placement import install
 
     if tls is not None:
         rundir.write_credentials()
+    dask.config.set(dict(settings or {}))  # as the workers have them (run's worker environment)
     scheduler = Scheduler(port=0, dashboard_address=":0", security=security_from(tls),
                           protocol="tls" if tls else "tcp",
                           scheduler_file=str(rundir.dask_scheduler_file), **launcher.scheduler_host)

@@ -27,7 +27,8 @@ from hpc_garage.cluster.handoff import Handoff
 from hpc_garage.cluster.node_loss import NodeWatch
 from hpc_garage.cluster import dask_scheduler
 from hpc_garage.cluster.command import command_exit, end_command, on_signals, start_command, stop_on_signals
-from hpc_garage.launchers.common import Launcher, Preload, listening_host, worker_preload
+from hpc_garage.launchers.common import (Launcher, Preload, cluster_settings, dask_environment, listening_host,
+                                        worker_preload)
 from hpc_garage.core.layout import Layout, layout
 from hpc_garage.cluster.sweep import RunSweep, join_sweep
 from hpc_garage.cluster.prefect_cancel import PrefectCancel
@@ -179,7 +180,8 @@ async def _serve(site: Site, layout_: Layout, launcher: Launcher, rundir: RunDir
         await launcher.prepare(run.tls, worker_env, rundir, timeout)
         # COMMAND first: it imports Prefect while the cluster starts
         run.proc = await start_command(command, child_env, interrupted, on_signal=run.nodes.job_ending)
-        run.scheduler = dask_scheduler.new(launcher, rundir, run.tls)  # here, never in a GPU worker's place
+        run.scheduler = dask_scheduler.new(launcher, rundir, run.tls,  # here, never in a GPU worker's place
+                                           settings=cluster_settings(layout_.worker_count))
         run.progress = await dask_scheduler.start(run.scheduler, site, rundir, api_env,
                                                   lambda figures: state.note(progress=figures))
         run.preload = dask_scheduler.import_beside(list(preload_names.scheduler))
@@ -211,6 +213,7 @@ def _environments(run: _Run, env: dict[str, str], swept: RunSweep, timeout: floa
                  START_TIMEOUT: f"{timeout:g}", **run.launcher.command_env}
     own = [host, server_host(run.api_env)]
     worker_env |= no_proxy_for(own, {**env, **worker_env})
+    worker_env |= dask_environment(cluster_settings(run.layout.worker_count))  # large clusters' timeouts
     child_env |= no_proxy_for(own, child_env)
     return worker_env, child_env
 

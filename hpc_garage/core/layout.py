@@ -18,6 +18,7 @@ from hpc_garage.core.errors import LayoutError
 from hpc_garage.core.per_node import NodeWorkers, PerNode, dumps
 from hpc_garage.core.units import format_bytes
 from hpc_garage.core.variable_names import CPUS_ENV
+from hpc_garage.core.scheduler_limit import past_one_scheduler
 from hpc_garage.core.worker_spec import WorkerSpec, number
 
 __all__ = ["Layout", "LayoutError", "WorkerSpec", "bind_node", "describe", "layout", "pin_gpus"]
@@ -238,6 +239,8 @@ def describe(layout_: Layout) -> list[str]:
     total_gpu = sum(w.resources.get("GPU", 0) for w in layout_.workers)
     lines.append(f"total: {len(layout_.workers)} workers, {number(total_gpu)} GPUs, "
                  f"{number(sum(w.resources['CPU'] for w in layout_.workers))} CPUs")
+    if past := past_one_scheduler(layout_.worker_count):
+        lines.append(f"note: {past}")
     return lines
 
 

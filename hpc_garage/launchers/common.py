@@ -144,6 +144,45 @@ def start_worker_forkserver(env: Mapping[str, str], preload: list[str]) -> None:
     skip_forkserver_optional_preload()
 
 
+# Issue 32: what the workers benchmark (bench/workers.py) showed a cluster of many workers on one scheduler
+# needs. Workers connect all at once; the scheduler answers their TLS handshakes one at a time on its event
+# loop, so the last waits about the whole registration. With Dask's 30 s connect timeout (`--dask-defaults`;
+# that run was stopped before 1,024, so not stored) 512 workers took 193 s to register at load 17, over a
+# thousand handshakes timed out and started over, and the scheduler spent 12.3 ms of CPU per worker; with
+# these settings (bench/results/runs/20261127-222609-workers.md) 10.9 s and 3.4 ms. Dask asks for a heartbeat
+# every n/200 + 1 s past 200 workers, which nears its fixed 5-minute worker TTL at tens of thousands.
+CONNECT_SECONDS_PER_WORKER = 0.1  # ~2x the window per worker measured at 256 with Dask's defaults (15.9 s)
+CONNECT_SECONDS_MAX = 600.0
+TTL_HEARTBEATS = 5  # a worker is removed after this many heartbeat intervals unheard (never under Dask's 300 s)
+LARGE_CLUSTER = 256  # up to this many workers Dask's own settings held (registered in 16 s): nothing is set
+
+
+def cluster_settings(workers: int, current: Callable[[str], Any] | None = None) -> dict[str, str]:
+    """Dask settings for a cluster of `workers` workers on one scheduler, as `dask.config` keys: the connect
+    timeout grows with the workers that connect at once, the worker TTL with the heartbeat interval. Each only
+    raises what is configured already (`current(key)`, default `dask.config.get`), so a user's larger wins."""
+    if workers <= LARGE_CLUSTER:  # and no import of dask here: `run` computes this before the scheduler's imports
+        return {}
+    import dask
+    from dask.utils import parse_timedelta
+    from distributed.scheduler import heartbeat_interval
+
+    get = current or dask.config.get
+    wanted = {"distributed.comm.timeouts.connect": min(CONNECT_SECONDS_MAX, workers * CONNECT_SECONDS_PER_WORKER),
+              "distributed.scheduler.worker-ttl": TTL_HEARTBEATS * heartbeat_interval(workers)}
+    settings = {}
+    for key, seconds in wanted.items():
+        configured = get(key)
+        if configured is not None and parse_timedelta(configured, "s") < seconds:  # None: no TTL at all, kept
+            settings[key] = f"{seconds:.0f}s"
+    return settings
+
+
+def dask_environment(settings: Mapping[str, str]) -> dict[str, str]:
+    """The same settings as DASK_* variables, which a worker process reads when it imports dask."""
+    return {"DASK_" + key.upper().replace(".", "__").replace("-", "_"): value for key, value in settings.items()}
+
+
 class Launcher:
     """Starts a layout's workers against a running scheduler, says if they died, and stops them."""
 
