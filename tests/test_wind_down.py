@@ -1,5 +1,6 @@
 """The job's clock and the wind-down's decisions (cluster/wind_down.py, schedulers' time_left and follow-up
-submission), without a cluster: what SLURM and PBS say of the time left, the margin, the exit code."""
+submission), without a batch system: what SLURM and PBS say of the time left, the margin, the exit code; the wind-down
+on an in-process Dask cluster."""
 
 from __future__ import annotations
 
@@ -101,3 +102,54 @@ def test_the_job_script_asks_for_the_warning_signal_and_requeue(tmp_path: Path) 
                        output="/w/%j.out", workdir="/w", python="/usr/bin/python3")
     text = render(spec)
     assert "#SBATCH --signal=B:USR1@300" in text and "#SBATCH --requeue" in text
+
+
+def _trial_that_lands_late(results: str, seconds: float) -> str:
+    """A trial whose result lands `seconds` after the wind-down begins (as Prefect's persistence writes it)."""
+    import time
+
+    time.sleep(seconds)
+    Path(results, "result-of-a-late-trial").write_text("{}")
+    return "done"
+
+
+def test_a_trial_running_unseen_by_heartbeats_is_waited_for_and_its_result_counts(tmp_path: Path) -> None:
+    """Under load the workers' heartbeats come seconds late, so the scheduler's `WorkerState.executing` does not
+    yet hold a trial that runs (here: no heartbeat after registration). The wind-down asks the workers, waits
+    for the trial, counts its result as this job's, and hands the sweep on; judged by the heartbeats it found
+    nothing running, decided before the result landed, logged "no trial finished or ran" and ended the chain."""
+    import asyncio
+
+    from distributed import Client, Scheduler, Worker
+
+    results = tmp_path / "results"
+    results.mkdir()
+
+    class Command:
+        returncode = None
+        signals: list[int] = []
+
+        def send_signal(self, sig: int) -> None:
+            self.signals.append(sig)
+
+    async def main() -> tuple[WindDown, list[str], Command]:
+        said: list[str] = []
+        ending = WindDown(site(requeue="auto"), "42", None, lambda: "43", lambda other: None, results)
+        ending.bind(said.append, lambda **kw: None)
+        async with Scheduler(port=0, dashboard_address=":0") as scheduler, \
+                Worker(scheduler.address, nthreads=1, heartbeat_interval="1h") as worker, \
+                Client(scheduler.address, asynchronous=True) as client:
+            future = client.submit(_trial_that_lands_late, str(results), 4.0, pure=False)
+            while not worker.state.executing:
+                await asyncio.sleep(0.05)
+            assert not any(ws.executing for ws in scheduler.workers.values())  # what the heartbeats told
+            command = Command()
+            await ending._wind_down(scheduler, command, "walltime", None, 30.0, asyncio.get_running_loop())
+            assert await future == "done"
+        return ending, said, command
+
+    ending, said, command = asyncio.run(main())
+    assert (results / "result-of-a-late-trial").is_file()
+    assert ending.next_job == "43", said
+    assert not any("no trial finished or ran" in line for line in said), said
+    assert ending.stopped and command.signals  # COMMAND stopped once the trial was done

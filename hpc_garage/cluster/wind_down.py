@@ -234,27 +234,24 @@ class WindDown:
         self._note(phase="winding down", wind_down=why)
         kill = margin / 2  # for stopping COMMAND and tearing down before the batch system kills the job
         ended: dict[str, float] = {}  # when each trial told to stop did
-        for _ in range(4):  # a heartbeat or two: what the workers execute is known from them
-            await asyncio.sleep(min(0.5, grace / 4))
-            _note_ended(scheduler, running, ended)
-        while _executing(scheduler):
-            _note_ended(scheduler, running, ended)
+        while executing := await _executing(scheduler):  # asked of the workers, never a heartbeat late
+            _note_ended(running, executing, ended)
             if end is not None and time.monotonic() >= end - kill:
-                self._say(f"{_executing(scheduler)} trials still running {kill:.0f} s before the end; they "
+                self._say(f"{len(executing)} trials still running {kill:.0f} s before the end; they "
                           "are stopped and run again in the next job")
                 break
             if proc.returncode is not None and time.time() >= told + grace:
                 break  # COMMAND ended (an interrupted trial ends the flow): the others had their grace
             if self._is_cancelled() and time.time() >= told + grace:
-                self._say(f"{_executing(scheduler)} trials still running after their checkpoint_grace: they are "
+                self._say(f"{len(executing)} trials still running after their checkpoint_grace: they are "
                           "stopped (the job is being cancelled)")
                 break
             await asyncio.sleep(0.5)
-        started = {str(ts.key) for ws in scheduler.workers.values() for ts in ws.executing}
+        _note_ended(running, executing, ended)
         known |= await _known(scheduler, [_run_id(k) for k in running])  # their last steps, now they stopped
         unfinished = [unfinished_trial(key, known.get(_run_id(key)), self.results, told, ended.get(key))
                       for key in running
-                      if (_run_id(key) in known or key in started) and _state(scheduler, key) != "memory"]
+                      if (_run_id(key) in known or key in executing) and _state(scheduler, key) != "memory"]
         await loop.run_in_executor(None, self._decide, unfinished)
         if proc.returncode is None:
             self.stopped = True
@@ -363,8 +360,7 @@ def _state(scheduler: Any, key: str) -> str | None:
     return ts.state if ts is not None else None
 
 
-def _note_ended(scheduler: Any, running: list[str], ended: dict[str, float]) -> None:
-    executing = {str(ts.key) for ws in scheduler.workers.values() for ts in ws.executing}
+def _note_ended(running: list[str], executing: set[str], ended: dict[str, float]) -> None:
     for key in running:
         if key not in executing and key not in ended:
             ended[key] = time.time()
@@ -389,8 +385,15 @@ def _results_in(results: Path | None) -> int:
     return sum(1 for p in results.iterdir() if not p.name.startswith(".") and p.is_file())
 
 
-def _executing(scheduler: Any) -> int:
-    return sum(len(ws.executing) for ws in scheduler.workers.values())
+async def _executing(scheduler: Any) -> set[str]:
+    """The tasks the workers execute now, as their own states say (one that does not answer: its heartbeat's).
+    Heartbeats, late under load, missed running trials: the job was judged before their results landed."""
+    from hpc_garage.compat import executing_now, run_on_workers
+
+    answers = await run_on_workers(scheduler, executing_now, timeout=3.0)
+    keys = {str(key) for answer in answers.values() for key in (answer or ())}
+    return keys | {str(ts.key) for address, ws in scheduler.workers.items() if address not in answers
+                   for ts in ws.executing}
 
 
 def _longest_trial(scheduler: Any, margin: float) -> float:

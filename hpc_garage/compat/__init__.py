@@ -17,8 +17,8 @@ from __future__ import annotations
 from hpc_garage.compat.versions import (USES, VERIFIED, CompatError, Use, in_range, installed_versions, main,
                                         newest_release, registry_releases, release_news, uses, uses_outside_range,
                                         version)
-from hpc_garage.compat.distributed import (attached_spec_cluster, correct_state, hold_pause, pause_workers,
-                                           replace_valid_workers, run_on_workers, scheduler_at,
+from hpc_garage.compat.distributed import (attached_spec_cluster, correct_state, executing_now, hold_pause,
+                                           pause_workers, replace_valid_workers, run_on_workers, scheduler_at,
                                            skip_forkserver_optional_preload)
 from hpc_garage.compat.dask_jobqueue import hooked_job
 from hpc_garage.compat.prefect import (before_exit_drains, cache_policy_unset, context_var, deployment_context,
@@ -27,7 +27,7 @@ from hpc_garage.compat.prefect import (before_exit_drains, cache_policy_unset, c
                                        take_queued, unconfirmed_events)
 from hpc_garage.compat.prefect_dask import dask_futures, runner_has_cluster, runner_started
 
-__all__ = ["USES", "VERIFIED", "CompatError", "Use", "attached_spec_cluster", "before_exit_drains",
+__all__ = ["USES", "VERIFIED", "CompatError", "Use", "attached_spec_cluster", "before_exit_drains", "executing_now",
            "cache_policy_unset", "context_var", "correct_state", "dask_futures", "deployment_context",
            "has_context_vars", "has_deployment_context", "hold_pause", "hooked_job", "in_range", "installed_versions",
            "keep_flow_states", "main", "newest_release", "pause_workers", "queued_log", "rebuild_context_models",

@@ -43,6 +43,15 @@ def pause_workers(scheduler: Any) -> int:
     return paused
 
 
+@uses("distributed", "Worker.state.executing / Worker.state.long_running / TaskState.key")
+def executing_now(dask_worker: Any) -> list[str]:
+    """Run on each worker (run_on_workers): the keys it executes now, as its own state machine has them. The
+    scheduler's `WorkerState.executing` is what the last heartbeat said (under load, seconds late: a trial
+    that just started is not there, and one that is about to finish a result looks already done)."""
+    state = dask_worker.state
+    return [str(ts.key) for ts in (*state.executing, *state.long_running)]
+
+
 @uses("distributed", "WorkerMemoryManager.memory_pause_fraction / Worker.status")
 def hold_pause(dask_worker: Any) -> bool:
     """Run on each worker (run_on_workers) once `pause_workers` paused it: keep it paused. distributed's memory
