@@ -26,14 +26,12 @@ LONG_SITE = "requeue: auto\nwalltime_margin: 15s\ncheckpoint_grace: 10s\n"
 
 
 def attempts(marks: Path) -> dict[int, list[dict]]:
-    """Per trial, each attempt's record (seconds worked, the step it started from), oldest first."""
+    """Per trial, each attempt's record (seconds worked, the step it started from), oldest first: only trials
+    with a complete record (the sweep renames each record into place whole), so no trial's list is empty."""
     found: dict[int, list[tuple[int, dict]]] = defaultdict(list)
     for p in marks.glob("work-*"):
         _, i, _pid, ns = p.name.split("-")
-        try:
-            found[int(i)].append((int(ns), json.loads(p.read_text())))
-        except ValueError:
-            continue  # killed mid-write: its last second is lost with it
+        found[int(i)].append((int(ns), json.loads(p.read_text())))
     return {i: [r for _, r in sorted(rs, key=lambda x: x[0])] for i, rs in found.items()}
 
 
@@ -105,10 +103,11 @@ def test_a_warning_signal_then_cancel_and_resume_continue_from_the_checkpoint(tm
     job = re.search(r"submitted job (\S+)", again.stdout).group(1)
     before = {i: len(r) for i, r in attempts(marks).items()}
     deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and not all(len(attempts(marks).get(i, [])) > before[i] and
-                                                  attempts(marks)[i][-1]["step"] >= 12 for i in before):
+    while time.monotonic() < deadline and not all(len(now.get(i, [])) > before[i] and now[i][-1]["step"] >= 12
+                                                  for now in [attempts(marks)] for i in before):
         time.sleep(1)
-    assert all(attempts(marks)[i][-1]["from"] == 0 for i in before)  # a new epoch starts clean
+    now = attempts(marks)
+    assert all(len(now[i]) > before[i] and now[i][-1]["from"] == 0 for i in before), now  # a new epoch: clean
     assert hpcg(["cancel", job, "--site", str(site)], tmp_path).returncode == 0
     wait_gone(job, 120)
     resumed = hpcg(["resume", job, "--site", str(site), "--wait"], tmp_path, timeout=400)

@@ -31,7 +31,9 @@ def train(i: int, duration: float, every: int, marks: str) -> int:
     while step < duration:
         time.sleep(1.0)
         step += 1
-        mark.write_text(json.dumps({"worked": round(time.monotonic() - began, 1), "from": first, "step": step}))
+        written = mark.with_name(f".{mark.name}.tmp")  # renamed whole: a reader never sees half a record
+        written.write_text(json.dumps({"worked": round(time.monotonic() - began, 1), "from": first, "step": step}))
+        written.replace(mark)
         if ckpt is not None and (step % every == 0 or trial.should_stop()):
             ckpt.with_suffix(".tmp").write_text(json.dumps({"step": step}))
             ckpt.with_suffix(".tmp").replace(ckpt)
