@@ -247,7 +247,6 @@ class WindDown:
                           "stopped (the job is being cancelled)")
                 break
             await asyncio.sleep(0.5)
-        _note_ended(running, executing, ended)
         known |= await _known(scheduler, [_run_id(k) for k in running])  # their last steps, now they stopped
         unfinished = [unfinished_trial(key, known.get(_run_id(key)), self.results, told, ended.get(key))
                       for key in running
@@ -386,14 +385,12 @@ def _results_in(results: Path | None) -> int:
 
 
 async def _executing(scheduler: Any) -> set[str]:
-    """The tasks the workers execute now, as their own states say (one that does not answer: its heartbeat's).
-    Heartbeats, late under load, missed running trials: the job was judged before their results landed."""
+    """What the workers execute, as they say (not their heartbeats: late under load, they missed trials)."""
     from hpc_garage.compat import executing_now, run_on_workers
 
     answers = await run_on_workers(scheduler, executing_now, timeout=3.0)
-    keys = {str(key) for answer in answers.values() for key in (answer or ())}
-    return keys | {str(ts.key) for address, ws in scheduler.workers.items() if address not in answers
-                   for ts in ws.executing}
+    return {str(key) for answer in answers.values() for key in (answer or ())} | {
+        str(ts.key) for address, ws in scheduler.workers.items() if address not in answers for ts in ws.executing}
 
 
 def _longest_trial(scheduler: Any, margin: float) -> float:
