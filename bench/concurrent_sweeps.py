@@ -107,9 +107,9 @@ def run_pair(database: str, tasks: int, home: Path | None = None, timeout: float
                              and sum(f["task_runs"].values()) == tasks for f in flows)
     subprocess.run([PYTHON, "-m", "hpc_garage", "server", "stop", "--force"], env=env, cwd=ROOT, capture_output=True)
     if database == "postgresql" and os.geteuid() == 0:  # as root its data lives outside HOME, in /var/tmp
-        from hpc_garage.prefect.server import ManagedPostgres
+        from hpc_garage.prefect.server import ManagedPostgres, ServerDir
 
-        shutil.rmtree(ManagedPostgres(Path(status["state_file"]).parent).base, ignore_errors=True)
+        shutil.rmtree(ManagedPostgres(ServerDir(Path(status["state_file"]).parent)).base, ignore_errors=True)
     say(f"concurrent sweeps on {database}: {json.dumps({k: v for k, v in result.items() if k != 'flows'})}")
     return result
 
