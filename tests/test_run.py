@@ -59,6 +59,38 @@ def test_insecure_says_so_and_speaks_tcp(tmp_path: Path) -> None:
     assert "--insecure" in done.stderr and json.loads(out.read_text())["address"].startswith("tcp://")
 
 
+# as if the workers had not yet obeyed the scheduler's terminate (a loaded machine): `run` ends them itself,
+# before the scheduler closes; a worker left heartbeating into a closed scheduler logs a traceback (seen in CI)
+SLOW_RETIRE = """
+import sys
+from distributed import Scheduler
+from hpc_garage.cluster import dask_scheduler
+from hpc_garage.cli import main
+
+async def ignored(scheduler):
+    pass
+
+dask_scheduler.retire = ignored
+close = Scheduler.close
+
+async def recorded(self, *args, **kwargs):
+    print(f"workers left as the scheduler closes: {len(self.workers)}", file=sys.stderr, flush=True)
+    return await close(self, *args, **kwargs)
+
+Scheduler.close = recorded
+main()
+"""
+
+
+@pytest.mark.slow
+def test_workers_that_ignore_the_terminate_end_before_the_scheduler_closes(tmp_path: Path) -> None:
+    done = subprocess.run([PY, "-c", SLOW_RETIRE, "run", "--site", "local", "--", PY, "-c", "pass"],
+                          capture_output=True, text=True, env=login_env(tmp_path), cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "workers left as the scheduler closes: 0" in done.stderr, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+
+
 @pytest.mark.parametrize(
     "args, fragment",
     [

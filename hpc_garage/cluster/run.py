@@ -265,6 +265,7 @@ async def _tear_down(run: _Run) -> None:
             logger.info(f"report: {line}")
     if run.scheduler is not None:
         await dask_scheduler.retire(run.scheduler)
+        await run.launcher.stop_workers()  # those this process holds end before the scheduler they beat into
         await run.scheduler.close(reason="hpc-garage run: command finished")
     await run.launcher.stop()
     if run.preload is not None:  # an interpreter exiting mid-import in a thread can crash (seen: SIGSEGV)

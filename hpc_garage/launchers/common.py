@@ -216,6 +216,11 @@ class Launcher:
     def draining(self) -> None:
         """Teardown begins: the workers are about to leave on purpose, so nothing may replace them."""
 
+    async def stop_workers(self) -> None:
+        """Before the scheduler closes: end the workers this process holds itself, so that none outlives it
+        (a worker heartbeating into a closed scheduler logs a traceback). Elsewhere workers leave as the
+        scheduler closes, and `stop` ends what is left."""
+
     async def stop(self) -> None:
         raise NotImplementedError
 

@@ -114,5 +114,9 @@ class LocalLauncher(Launcher):
         self.nannies = [Nanny(address, **spec["options"]) for spec in specs.values()]
         await asyncio.gather(*(n.start() for n in self.nannies))
 
-    async def stop(self) -> None:
+    async def stop_workers(self) -> None:
+        """The nannies are this process's: closed before the scheduler, each ends its worker first."""
         await asyncio.gather(*(n.close(timeout=10) for n in self.nannies), return_exceptions=True)
+
+    async def stop(self) -> None:
+        await self.stop_workers()
