@@ -41,13 +41,26 @@ def slurm_reachable() -> str | None:
 SERVER_FIXTURES = {"api", "cluster", "runner"}  # a Prefect server, a Dask cluster (below)
 
 
-# `scripts/test` (no arguments) runs the SLURM tests in three shards side by side, each on a cluster of its own
-# (the second and third reached through SLURM_CONF): the modules named here go to shards 2 and 3, the rest to
-# shard 1. $HPC_GARAGE_SLURM_SHARD picks one.
-SHARDS = {"test_long_trials.py": "2", "test_docs.py": "2", "test_doctor.py": "2", "test_prefect_api.py": "2",
-          "test_pruning_sweep.py": "2", "test_durable.py": "2",
-          "test_bench.py": "3"}
-SHARD_ENV = "HPC_GARAGE_SLURM_SHARD"  # 1, 2 or 3: only the SLURM tests of that shard; unset: all
+# `scripts/test` (no arguments) runs the SLURM tests in four shards side by side, each on a cluster of its own
+# (shards 2-4 reached through SLURM_CONF); $HPC_GARAGE_SLURM_SHARD picks one. A test goes to the shard of the
+# longest key here that its node id starts with (a module, or one test or parameter of it); the rest to shard 1,
+# the default cluster, whose node names (node1, node2) some tests assert. Balanced by the durations CI printed
+# (--durations): about 20 minutes each.
+SHARDS = {"test_long_trials.py": "2", "test_pruning_sweep.py": "2", "test_prefect_api.py": "2", "test_doctor.py": "2",
+          "test_work_pool.py": "3", "test_jobqueue_slurm.py": "3", "test_bench.py": "3",
+          "test_docs.py": "4", "test_durable.py": "4"}
+QUICK_BENCH = "test_bench.py::test_quick_bench_runs_every_benchmark"
+SHARDS |= {f"{QUICK_BENCH}[{name}]": shard for shard, names in
+           {"1": ("cli",), "2": ("faults", "trials", "pruning"), "3": ("ui", "packing"),
+            "4": ("overhead", "reports", "startup", "deployment")}.items() for name in names}
+SHARD_ENV = "HPC_GARAGE_SLURM_SHARD"  # 1-4: only the SLURM tests of that shard; unset: all
+
+
+def shard_of(nodeid: str) -> str:
+    """The SLURM shard of a test: that of the longest SHARDS key its node id (file name first) starts with."""
+    name = nodeid.rsplit("/", 1)[-1]
+    keys = [key for key in SHARDS if name == key or name.startswith((key + "::", key + "["))]
+    return SHARDS[max(keys, key=len)] if keys else "1"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -63,7 +76,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     shard = os.environ.get(SHARD_ENV)
     if shard:
         keep = [item for item in items
-                if "slurm" not in item.keywords or SHARDS.get(Path(str(item.fspath)).name, "1") == shard]
+                if "slurm" not in item.keywords or shard_of(item.nodeid) == shard]
         config.hook.pytest_deselected(items=[item for item in items if item not in keep])
         items[:] = keep
 
@@ -73,6 +86,25 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         if os.environ.get("CI") == "true":
             pytest.fail(f"SLURM test cannot run under CI: {why} (scripts/local-slurm up should have started it)")
         pytest.skip(f"no SLURM reachable: {why}; run scripts/local-slurm up")
+
+
+@pytest.fixture(autouse=True)
+def _no_prefect_server_outlives_its_test(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A managed Prefect server that a test started under its own tmp_path (as HOME) ends with the test, not
+    30 minutes later by its idle timeout: alive, each costs about 1 % of a core and 250 MB, and CI runs
+    hundreds of such tests on 2 cores."""
+    yield
+    tmp = getattr(request.node, "funcargs", {}).get("tmp_path")
+    if tmp is None:
+        return
+    records = [p for p in Path(tmp).rglob("server.json") if ".hpc-garage/prefect/" in str(p)]
+    if records:
+        from hpc_garage.prefect.server.processes import terminate
+        from hpc_garage.prefect.server.state import ServerDir
+
+        for record in records:
+            if (state := ServerDir(record.parent).state()) is not None:
+                terminate(state)
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The wheel that `pip install .` builds carries the site configs and job-script templates."""
+"""The wheel that `pip install .` builds carries the site configs and job-script templates; CI's test shards name real tests."""
 
 from __future__ import annotations
 
@@ -24,3 +24,18 @@ def test_wheel_carries_site_configs_and_jobscripts(tmp_path: Path) -> None:
     assert {"hpc_garage/_data/jobscripts/slurm.sh", "hpc_garage/_data/jobscripts/pbs.sh"} <= names
     entry = next(n for n in names if n.endswith("entry_points.txt"))
     assert "hpc-garage = hpc_garage.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
+
+
+def test_every_shard_key_names_a_test_module_or_a_quick_benchmark() -> None:
+    """A renamed module would silently fall back to shard 1 and unbalance CI (tests/conftest.py: SHARDS)."""
+    from tests.conftest import QUICK_BENCH, SHARDS, shard_of
+    from tests.test_bench import QUICK
+
+    tests = Path(__file__).resolve().parent
+    for key, shard in SHARDS.items():
+        module = key.split("::")[0]
+        assert (tests / module).is_file(), key
+        if key.startswith(QUICK_BENCH):
+            assert key.split("[")[1].rstrip("]") in QUICK, key
+        assert shard_of(f"tests/{key}") == shard and shard in ("2", "3", "4") + ("1",) * key.startswith(QUICK_BENCH)
+    assert shard_of("tests/test_e2e.py::test_x") == "1"  # the default cluster, whose node names tests assert
