@@ -1,4 +1,5 @@
-"""The wheel that `pip install .` builds carries the site configs and job-script templates; CI's test shards name real tests."""
+"""The wheel that `pip install .` builds carries the site configs and job-script templates; CI's test shards
+name real tests."""
 
 from __future__ import annotations
 
