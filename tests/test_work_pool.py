@@ -128,6 +128,8 @@ def test_the_flow_runs_secrets_reach_its_job_through_a_private_file_and_no_scrip
     assert followed["HPC_GARAGE_SECRETS"] == str(secrets)
     monkeypatch.delenv("HPC_GARAGE_SECRETS")
     assert _environ(()) is None  # `hpc-garage submit`: sbatch gets this environment as it is
+    flow_run_jobs.drop_secrets(FLOW_RUN, [RunRoot(prepared.root)])  # the worker saw the flow run end
+    assert not secrets.exists() and (secrets.parent / f"{FLOW_RUN}.json").exists()  # its claim stays
 
 
 def test_a_bad_value_is_refused_before_anything_is_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -345,6 +347,17 @@ def test_a_deployment_run_is_one_job_and_completes_with_every_gpu_trial_on_its_o
     status = subprocess.run([PY, "-m", "hpc_garage", "status", record["job_id"], "--json"], env=garage.env,
                             capture_output=True, text=True, timeout=60)
     assert json.loads(status.stdout)["summary"] == "done", status.stdout + status.stderr
+    # the auth string reached the job through a private file, which leaves once the worker saw the run end
+    from hpc_garage.rundir import RunRoot
+    from hpc_garage.schedulers.flow_run_jobs import secrets_file
+
+    root = garage.home / ".hpc-garage" / "runs"
+    secrets = secrets_file(root, flow_run_id)
+    assert f"export HPC_GARAGE_SECRETS={secrets}\n" in RunRoot(root).run_dir(record["job_id"]).script_file.read_text()
+    deadline = time.monotonic() + 30
+    while secrets.exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not secrets.exists(), f"{secrets} outlived its flow run"
 
 
 @pytest.mark.slurm

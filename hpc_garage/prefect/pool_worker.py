@@ -199,13 +199,16 @@ class PoolWorker(BaseWorker[GarageJobConfiguration, GarageVariables, GarageResul
                 await self._tick()
             finally:
                 self._followed.pop(str(flow_run.id), None)
-            return
-        if self._loop_task is None or self._loop_task.done():
-            self._loop_task = asyncio.ensure_future(self._follow_loop())
-        try:
-            await followed.done
-        finally:
-            self._followed.pop(str(flow_run.id), None)
+            if not followed.done.done():
+                return
+        else:
+            if self._loop_task is None or self._loop_task.done():
+                self._loop_task = asyncio.ensure_future(self._follow_loop())
+            try:
+                await followed.done
+            finally:
+                self._followed.pop(str(flow_run.id), None)
+        await anyio.to_thread.run_sync(self.jobs.drop_secrets, str(flow_run.id))  # followed to its end
 
     async def _follow_loop(self) -> None:
         while self._followed:

@@ -41,7 +41,7 @@ from hpc_garage.schedulers.submission import (CANCEL_MARGIN, JobView, Prepared, 
                                               refresh, run_roots, start_wind_down, submit)
 
 __all__ = ["VARIABLES", "FlowRunJob", "Taken", "Busy", "request_of", "prepare_flow_run", "secrets_of",
-           "secrets_file", "take", "claim_of", "views", "cancel", "wind_down", "CANCEL_MARGIN", "ended",
+           "secrets_file", "drop_secrets", "take", "claim_of", "views", "cancel", "wind_down", "CANCEL_MARGIN", "ended",
            "next_job_of", "run_roots"]
 
 logger = logging.getLogger(__name__)
@@ -159,6 +159,13 @@ def secrets_of(job: FlowRunJob) -> dict[str, str]:
 def secrets_file(root: Path, flow_run_id: str) -> Path:
     """Where the flow run's secrets wait for its jobs (a follow-up job too): beside its claim, private."""
     return root / CLAIMS / f"{flow_run_id}.secrets.json"
+
+
+def drop_secrets(flow_run_id: str, roots: Sequence[RunRoot] | None = None) -> None:
+    """The flow run is final and its last job has ended: its secrets leave the disk (no later job reads them)."""
+    if _UUID.fullmatch(flow_run_id):
+        for root in run_roots() if roots is None else roots:
+            secrets_file(root.path, flow_run_id).unlink(missing_ok=True)
 
 
 def _write_secrets(job: FlowRunJob, prepared: Prepared) -> None:
