@@ -41,6 +41,19 @@ def wait_gone(job_id: str, timeout: float = 120) -> str:
     raise AssertionError(f"job {job_id} still {state} after {timeout} s (cancelled)")
 
 
+def release_requeued(job_id: str, timeout: float = 60) -> None:
+    """Slurm holds a requeued job back (BeginTime, about two minutes after the requeue); as the admin, let it
+    start at once: the tests are about what the job does then, not about Slurm's delay."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True).stdout
+        if "JobState=PENDING" in out:
+            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True)
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"job {job_id} was not requeued within {timeout:g} s")
+
+
 def job_logs(root: Path, lines: int = 80) -> str:
     """The last `lines` of every batch job's log under `root` (`<job id>.out` in a run directory), oldest
     first: what a failing test shows of the jobs it started, since the run's own account of a wind-down or

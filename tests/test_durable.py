@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import DATA, ROOT, outside_job_env
-from tests.slurm_jobs import exit_code, job_logs, poll, wait_gone
+from tests.slurm_jobs import exit_code, job_logs, poll, release_requeued, wait_gone
 
 SWEEP = DATA / "fault_sweep.py"
 PY = sys.executable
@@ -151,13 +151,7 @@ def test_a_requeued_job_resumes_its_sweep(tmp_path: Path) -> None:
     requeued = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
     assert requeued.returncode == 0, requeued.stderr
     finished_then = set(count(marks, "done"))
-    # Slurm holds a requeued job back (BeginTime) for about two minutes; as the admin, let it start at once
-    for _ in range(50):
-        if "JobState=PENDING" in subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True,
-                                                text=True).stdout:
-            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], capture_output=True)
-            break
-        time.sleep(0.2)
+    release_requeued(job, 120)  # once its processes have ended (COMPLETING) and it is PENDING again
     deadline = time.monotonic() + 300
     while not out.exists() and time.monotonic() < deadline:
         time.sleep(0.5)
