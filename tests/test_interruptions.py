@@ -4,25 +4,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
-
-import pytest
 
 from hpc_garage.cluster import stopping
 from hpc_garage.cluster.interruptions import Unfinished, follow_up_needed, interruption
 from hpc_garage.cluster.wind_down import EX_TEMPFAIL, WindDown
-from hpc_garage.core.site import Site
-
-
-@pytest.fixture(autouse=True)
-def _fresh() -> Any:
-    stopping.reset()
-    yield
-    stopping.reset()
-
-
-def site(**extra: Any) -> Site:
-    return Site.model_validate({"name": "t", "scheduler": "slurm", "node": {"cores": 4, "memory": "8GiB"}, **extra})
+from tests.test_trial import _fresh, site  # noqa: F401 - the same fresh stop state (autouse) and site
 
 
 def test_a_new_step_is_progress_a_fresh_file_with_the_same_step_is_not() -> None:
