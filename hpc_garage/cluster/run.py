@@ -149,6 +149,7 @@ class _Run:
     tls: dict[str, str] | None
     api_env: dict[str, str]
     ending: WindDown | None
+    settings: dict[str, str] = field(default_factory=dict)  # dask.config of scheduler and workers
     nodes: NodeWatch = field(default_factory=NodeWatch)  # lost nodes, for the whole run (cluster/node_loss.py)
     proc: asyncio.subprocess.Process | None = None  # COMMAND
     scheduler: Any = None
@@ -170,7 +171,7 @@ async def _serve(site: Site, layout_: Layout, launcher: Launcher, rundir: RunDir
     host = listening_host(launcher.scheduler_host)
     api_env = api(host) if api is not None else {}
     run = _Run(site, layout_, launcher, rundir, job_id, state, None if insecure else rundir.credential_paths(),
-               api_env, ending)
+               api_env, ending, cluster_settings(layout_.worker_count))
     worker_env, child_env = _environments(run, env, swept, timeout, preload_names, host)
     interrupted = stop_on_signals()
     if ending is not None:
@@ -181,7 +182,7 @@ async def _serve(site: Site, layout_: Layout, launcher: Launcher, rundir: RunDir
         # COMMAND first: it imports Prefect while the cluster starts
         run.proc = await start_command(command, child_env, interrupted, on_signal=run.nodes.job_ending)
         run.scheduler = dask_scheduler.new(launcher, rundir, run.tls,  # here, never in a GPU worker's place
-                                           settings=cluster_settings(layout_.worker_count))
+                                           settings=run.settings)
         run.progress = await dask_scheduler.start(run.scheduler, site, rundir, api_env,
                                                   lambda figures: state.note(progress=figures))
         run.preload = dask_scheduler.import_beside(list(preload_names.scheduler))
@@ -213,7 +214,7 @@ def _environments(run: _Run, env: dict[str, str], swept: RunSweep, timeout: floa
                  START_TIMEOUT: f"{timeout:g}", **run.launcher.command_env}
     own = [host, server_host(run.api_env)]
     worker_env |= no_proxy_for(own, {**env, **worker_env})
-    worker_env |= dask_environment(cluster_settings(run.layout.worker_count))  # large clusters' timeouts
+    worker_env |= dask_environment(run.settings)  # large clusters' timeouts
     child_env |= no_proxy_for(own, child_env)
     return worker_env, child_env
 
