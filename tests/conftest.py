@@ -45,7 +45,7 @@ SERVER_FIXTURES = {"api", "cluster", "runner"}  # a Prefect server, a Dask clust
 # (shards 2-4 reached through SLURM_CONF); $HPC_GARAGE_SLURM_SHARD picks one. A test goes to the shard of the
 # longest key here that its node id starts with (a module, or one test or parameter of it); the rest to shard 1,
 # the default cluster, whose node names (node1, node2) some tests assert. Balanced by the durations CI printed
-# (--durations): about 20 minutes each.
+# (--durations): about 20 minutes each, `other` included.
 SHARDS = {"test_long_trials.py": "2", "test_pruning_sweep.py": "2", "test_prefect_api.py": "2", "test_doctor.py": "2",
           "test_work_pool.py": "3", "test_jobqueue_slurm.py": "3", "test_bench.py": "3",
           "test_docs.py": "4", "test_durable.py": "4"}
@@ -53,14 +53,24 @@ QUICK_BENCH = "test_bench.py::test_quick_bench_runs_every_benchmark"
 SHARDS |= {f"{QUICK_BENCH}[{name}]": shard for shard, names in
            {"1": ("cli",), "2": ("faults", "trials", "pruning"), "3": ("ui", "packing"),
             "4": ("overhead", "reports", "startup", "deployment")}.items() for name in names}
-SHARD_ENV = "HPC_GARAGE_SLURM_SHARD"  # 1-4: only the SLURM tests of that shard; unset: all
+# Tests without SLURM run in the fifth process, `other`, but for these: slow ones that fit beside a shard's
+# waiting (each its own Prefect server or cluster, so that where they run does not matter)
+BESIDE_SHARDS = {"test_prefect_server_idle.py": "1", "test_prefect_server_sweeps.py": "4"}
+SHARD_ENV = "HPC_GARAGE_SLURM_SHARD"  # 1-4: that shard's SLURM tests and the others BESIDE_SHARDS gives it;
+                                      # `other`: the tests without SLURM, but those; unset: all
 
 
-def shard_of(nodeid: str) -> str:
-    """The SLURM shard of a test: that of the longest SHARDS key its node id (file name first) starts with."""
+def shard_of(nodeid: str, table: dict[str, str] = SHARDS, default: str | None = "1") -> str | None:
+    """A test's shard: that of the longest key of `table` its node id (file name first) starts with."""
     name = nodeid.rsplit("/", 1)[-1]
-    keys = [key for key in SHARDS if name == key or name.startswith((key + "::", key + "["))]
-    return SHARDS[max(keys, key=len)] if keys else "1"
+    keys = [key for key in table if name == key or name.startswith((key + "::", key + "["))]
+    return table[max(keys, key=len)] if keys else default
+
+
+def _in_shard(item: pytest.Item, shard: str) -> bool:
+    if "slurm" in item.keywords:
+        return shard_of(item.nodeid) == shard
+    return shard_of(item.nodeid, BESIDE_SHARDS, "other") == shard
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -75,8 +85,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                                 + ", ".join(unmarked))
     shard = os.environ.get(SHARD_ENV)
     if shard:
-        keep = [item for item in items
-                if "slurm" not in item.keywords or shard_of(item.nodeid) == shard]
+        keep = [item for item in items if _in_shard(item, shard)]
         config.hook.pytest_deselected(items=[item for item in items if item not in keep])
         items[:] = keep
 

@@ -40,3 +40,6 @@ def test_every_shard_key_names_a_test_module_or_a_quick_benchmark() -> None:
             assert key.split("[")[1].rstrip("]") in QUICK, key
         assert shard_of(f"tests/{key}") == shard and shard in ("2", "3", "4") + ("1",) * key.startswith(QUICK_BENCH)
     assert shard_of("tests/test_e2e.py::test_x") == "1"  # the default cluster, whose node names tests assert
+    from tests.conftest import BESIDE_SHARDS
+
+    assert all((tests / key.split("::")[0]).is_file() and shard in "1234" for key, shard in BESIDE_SHARDS.items())
