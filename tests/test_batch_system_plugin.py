@@ -106,7 +106,8 @@ def lsf(template_file: Path) -> type[BatchSystem]:
 def system(tmp_path: Path, site_dir: Path, monkeypatch: pytest.MonkeyPatch) -> type[BatchSystem]:
     """The LSF-like system registered for this test alone, a site `lsf1` of it, and a script in tmp_path/work."""
     monkeypatch.setattr(schedulers, "_SYSTEMS", dict(schedulers._SYSTEMS))  # undone after the test
-    monkeypatch.setattr(site_values, "BATCH_SYSTEMS", list(site_values.BATCH_SYSTEMS))
+    for table in ("BATCH_SYSTEMS", "SIGNALS_BEFORE_END", "LAUNCHES_RANKS", "TAKES_JOBS", "WORKER_JOBS"):
+        monkeypatch.setattr(site_values, table, list(getattr(site_values, table)))
     monkeypatch.setattr(job_env, "JOB_ID_VARIABLES", list(job_env.JOB_ID_VARIABLES))
     (tmp_path / "lsf.sh").write_text(TEMPLATE)
     cls = schedulers.register(lsf(tmp_path / "lsf.sh"))
@@ -209,3 +210,33 @@ def test_what_it_cannot_do_is_refused_in_one_line(system: type[BatchSystem]) -> 
     with pytest.raises(UserError, match="launcher jobqueue needs a batch system dask-jobqueue submits to "
                                         r"\(slurm, pbs\), not lsf; use launcher: mpi"):
         batch.jobqueue_classes()
+
+
+def test_a_site_is_checked_against_its_systems_capabilities_not_its_name(
+        system: type[BatchSystem], site_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpc_garage.core.errors import SiteError
+    from hpc_garage.sites import load_site
+
+    site = "scheduler: lsf\nnode:\n  cores: 8\n  memory: 16GiB\n"
+    (site_dir / "lsf2.yaml").write_text(site + "warning_signal: USR1@60\nmpi:\n  launch: srun\n")
+    with pytest.raises(SiteError, match=r"warning_signal asks the batch system for a signal before the job's end, "
+                                        r"which 'lsf' does not send \(slurm does\)"):
+        load_site("lsf2")
+    (site_dir / "lsf2.yaml").write_text(site + "mpi:\n  launch: srun\n")
+    with pytest.raises(SiteError, match=r"mpi.launch: srun needs a batch system that launches the ranks itself "
+                                        r"\(slurm\), and scheduler is 'lsf'"):
+        load_site("lsf2")
+    monkeypatch.setattr(system, "signals_before_end", True)
+    monkeypatch.setattr(system, "launches_ranks", True)
+    schedulers.register(system)  # the same system, now saying it can
+    (site_dir / "lsf2.yaml").write_text(site + "warning_signal: USR1@60\nmpi:\n  launch: srun\n")
+    assert load_site("lsf2").scheduler == "lsf"
+
+
+def test_the_site_models_table_says_what_each_built_in_system_says_of_itself() -> None:
+    for name in ("slurm", "pbs", "local"):
+        batch = schedulers.get(name)
+        assert (name in site_values.SIGNALS_BEFORE_END) == batch.signals_before_end, name
+        assert (name in site_values.LAUNCHES_RANKS) == batch.launches_ranks, name
+        assert (name in site_values.TAKES_JOBS) == batch.takes_jobs, name
+        assert (name in site_values.WORKER_JOBS) == bool(batch.jobqueue_job and batch.jobqueue_cluster), name

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from hpc_garage.core import gpus as _gpus
+from hpc_garage.core import site_values
 from hpc_garage.core.allocation import Allocation, NodeAllocation
 from hpc_garage.core.errors import LayoutError
 from hpc_garage.core.per_node import NodeWorkers, PerNode, dumps
@@ -232,7 +233,7 @@ def describe(layout_: Layout) -> list[str]:
     lines += [f"note: {n}" for n in layout_.allocation.notes]
     lines += [f"unused: {x}" for x in layout_.leftovers]
     site = layout_.site
-    if site.workers.bind_cpus and site.scheduler != "local" and not any(w.cpus for w in layout_.workers):
+    if site.workers.bind_cpus and site.scheduler in site_values.TAKES_JOBS and not any(w.cpus for w in layout_.workers):
         near = ", next to its GPUs where the node says where they are" if site.node.gpus else ""
         lines.append(f"cores: in a job, each worker binds to its CPU share of its node as it starts{near} "
                      "(workers.bind_cpus)")

@@ -224,14 +224,15 @@ class Site(_Strict):
         if "via" in self.mpi.model_fields_set and self.mpi.launch != "dask-mpi":
             raise ValueError(f"mpi.via is read only with mpi.launch: dask-mpi, and launch is {self.mpi.launch!r}; "
                              "drop via or set launch: dask-mpi")
-        if self.warning_signal and self.scheduler != "slurm":
-            raise ValueError(f"warning_signal asks SLURM for a signal before the job's end, and scheduler is "
-                             f"{self.scheduler!r}; drop warning_signal (hpc-garage reads the walltime itself)")
-        if self.scheduler != "slurm" and self.mpi.via == "srun":
-            raise ValueError(f"mpi.via: srun needs SLURM, and scheduler is {self.scheduler!r}; use via: mpiexec or auto")
-        if self.scheduler != "slurm" and self.mpi.launch == "srun":
-            raise ValueError(f"mpi.launch: srun needs SLURM, and scheduler is {self.scheduler!r}; "
-                             "use mpi.launch: mpiexec or auto")
+        if self.warning_signal and self.scheduler not in _values.SIGNALS_BEFORE_END:
+            raise ValueError(f"warning_signal asks the batch system for a signal before the job's end, which "
+                             f"{self.scheduler!r} does not send ({', '.join(_values.SIGNALS_BEFORE_END)} does); "
+                             "drop warning_signal (hpc-garage reads the walltime itself)")
+        if self.scheduler not in _values.LAUNCHES_RANKS and "srun" in (self.mpi.via, self.mpi.launch):
+            key = "mpi.via" if self.mpi.via == "srun" else "mpi.launch"
+            raise ValueError(f"{key}: srun needs a batch system that launches the ranks itself "
+                             f"({', '.join(_values.LAUNCHES_RANKS)}), and scheduler is {self.scheduler!r}; "
+                             f"use {'via' if key == 'mpi.via' else 'mpi.launch'}: mpiexec or auto")
         for key, lines in (("directives", self.directives), ("jobqueue.driver_directives",
                                                              self.jobqueue.driver_directives)):
             for line in lines:
@@ -246,8 +247,9 @@ class Site(_Strict):
 
     def _check_jobqueue(self) -> None:
         jq = self.jobqueue
-        if self.scheduler == "local":
-            raise ValueError("launcher: jobqueue submits worker jobs; use scheduler: slurm or pbs")
+        if self.scheduler not in _values.WORKER_JOBS:
+            raise ValueError("launcher: jobqueue submits worker jobs; use scheduler: "
+                             + " or ".join(_values.WORKER_JOBS))
         if jq.gpus_per_job is not None and jq.gpus_per_job > self.node.gpus:
             raise ValueError(f"jobqueue.gpus_per_job ({jq.gpus_per_job}) exceeds node.gpus ({self.node.gpus})")
         if jq.gpus_per_job == 0 and self.workers.per == "gpu":

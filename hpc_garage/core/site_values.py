@@ -16,6 +16,11 @@ NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 # What a site's `scheduler:` may name: the batch systems of schedulers/ (its registry), below which the site
 # model sits, so it keeps their names alone; `schedulers.register` adds a new system's name here.
 BATCH_SYSTEMS = ["slurm", "pbs", "local"]
+# ... and what the model checks a site against, by capability (`register` adds a new system's by its own):
+SIGNALS_BEFORE_END = ["slurm"]  # it sends a job a signal before its walltime on request (`warning_signal`)
+LAUNCHES_RANKS = ["slurm"]  # its own launcher starts a job's ranks on its nodes (`mpi.launch`/`via: srun`)
+TAKES_JOBS = ["slurm", "pbs"]  # a queue of jobs (`local`: the run is on this machine, no job)
+WORKER_JOBS = ["slurm", "pbs"]  # dask-jobqueue submits worker jobs to it (`launcher: jobqueue`)
 
 
 def memory(value: Any) -> int:

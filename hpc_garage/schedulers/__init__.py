@@ -31,11 +31,14 @@ _SYSTEMS: dict[str, str | type[BatchSystem]] = {
 def register(cls: type[BatchSystem]) -> type[BatchSystem]:
     """Add a batch system (a class decorator): from then on `get(cls.name)` is it, and so is a job whose
     environment sets its `job_id_variable` (`detect`)."""
-    from hpc_garage.core.site_values import BATCH_SYSTEMS
+    from hpc_garage.core import site_values
 
     _SYSTEMS[cls.name] = cls
-    if cls.name not in BATCH_SYSTEMS:  # what a site file's `scheduler:` may name
-        BATCH_SYSTEMS.append(cls.name)
+    for names, has in ((site_values.BATCH_SYSTEMS, True), (site_values.SIGNALS_BEFORE_END, cls.signals_before_end),
+                       (site_values.LAUNCHES_RANKS, cls.launches_ranks), (site_values.TAKES_JOBS, cls.takes_jobs),
+                       (site_values.WORKER_JOBS, bool(cls.jobqueue_job and cls.jobqueue_cluster))):
+        if has and cls.name not in names:  # what a site file's `scheduler:` may name, and what the site allows
+            names.append(cls.name)
     if cls.job_id_variable and (cls.name, cls.job_id_variable) not in job_env.JOB_ID_VARIABLES:
         job_env.JOB_ID_VARIABLES.append((cls.name, cls.job_id_variable))  # its jobs, known from their environment
     return cls

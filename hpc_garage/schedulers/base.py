@@ -37,6 +37,7 @@ class BatchSystem:
     # ---- what it can do: what the rest of the code asks instead of comparing names
     takes_jobs: ClassVar[bool] = True  # a queue to submit to (`local`: none; jobs run on this machine)
     launches_ranks: ClassVar[bool] = False  # its own launcher (srun) starts a job's ranks on its nodes
+    signals_before_end: ClassVar[bool] = False  # sends the job a signal before its walltime (`warning_signal`)
     names_worker_logs: ClassVar[bool] = False  # a worker job's log is RunDir.worker_log (`%x-%j.out`), not its own name
     jobqueue_job: ClassVar[str] = ""  # dask-jobqueue's "module:Job" and "module:Cluster" for worker jobs, if any
     jobqueue_cluster: ClassVar[str] = ""

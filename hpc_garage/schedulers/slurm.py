@@ -25,6 +25,7 @@ class Slurm(BatchSystem):
     name = "slurm"
     job_id_variable = "SLURM_JOB_ID"
     launches_ranks = True  # srun
+    signals_before_end = True  # --signal=B:SIG@seconds
     names_worker_logs = True  # --output=<log_dir>/%x-%j.out (worker_job_options)
     jobqueue_job = "dask_jobqueue.slurm:SLURMJob"
     jobqueue_cluster = "dask_jobqueue:SLURMCluster"

@@ -186,11 +186,11 @@ def view(data: dict[str, Any], path: Path | None = None) -> SiteView:
     # Site._check_contradictions: the same, each failing site to pydantic
     if "processes" in (raw.get("workers") or {}) and workers.per != "process":
         raise _Unsure
-    if values["scheduler"] != "slurm" and "srun" in (values["mpi"].launch, values["mpi"].via):
+    if values["scheduler"] not in site_values.LAUNCHES_RANKS and "srun" in (values["mpi"].launch, values["mpi"].via):
         raise _Unsure
     if "via" in (raw.get("mpi") or {}) and values["mpi"].launch != "dask-mpi":
         raise _Unsure
-    if values["warning_signal"] and values["scheduler"] != "slurm":
+    if values["warning_signal"] and values["scheduler"] not in site_values.SIGNALS_BEFORE_END:
         raise _Unsure
     if any(not line.startswith("-") for line in values["directives"]):
         raise _Unsure
