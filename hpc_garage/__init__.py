@@ -23,7 +23,8 @@ if TYPE_CHECKING:  # what __getattr__ loads on first use, spelled out for type c
     from hpc_garage.compat import CompatError
     from hpc_garage.core.errors import SiteError, UserError
 
-__all__ = ["CompatError", "Handoff", "SiteError", "UserError", "handoff_from_env", "resources", "task_runner"]
+__all__ = ["CompatError", "Handoff", "SiteError", "UserError", "handoff_from_env", "resources", "search",
+           "task_runner"]
 
 # public name -> the internal module that defines it (loaded on first use)
 _LAZY = {"Handoff": "hpc_garage.cluster.handoff", "handoff_from_env": "hpc_garage.cluster.handoff",
@@ -57,6 +58,28 @@ def task_runner(**kwargs):  # noqa: ANN201 - returns a prefect-dask DaskTaskRunn
     from hpc_garage.prefect.task_runner import task_runner as _task_runner
 
     return _task_runner(**kwargs)
+
+
+def search(task: Any, space: Any, trials: int, metric: str, mode: str = "min", sampler: Any = "tpe",
+           budget: Any = None, **kwargs: Any) -> Any:
+    """Run an Optuna study's trials on every worker that can run `task`, from inside a flow whose task runner is
+    `hpc_garage.task_runner(...)`: `study = hpc_garage.search(train, space={"lr": ("log", 1e-5, 1e-1),
+    "depth": ("int", 2, 8), "act": ["relu", "gelu"]}, trials=200, metric="loss", budget="20 GPUh")`.
+
+    `space` maps each of the task's parameters to ("float"|"log"|"int"|"logint", low, high), a list of
+    choices, or an optuna.distributions object. The task returns the metric (a number, or a dict holding it)
+    and may report it (`trial.report`) for the task runner's pruner. `sampler` is "tpe" (TPE with the constant
+    liar: parallel trials do not all sample one point), "random", "qmc" or any Optuna sampler. It stops at
+    `trials` trials or `budget` ("20 GPUh", "90 GPUmin", "600 GPUs"; GPU-seconds of the trials), whichever
+    comes first, after `max_failures=5` failed trials, or before a trial that could not reach its first report
+    before the job's wind-down (the follow-up job continues). The study lives in the sweep's results
+    (`search.journal`): a follow-up job or `hpc-garage resume` continues it. Also `seed=` (the sampler's) and
+    `name=` (the study's, "search"). Returns an object with `.best` (number, params, value), `.study` (Optuna's),
+    `.stopped` (why), `.results` (this job's trials). Needs `pip install 'hpc-garage[tune]'`.
+    """
+    from hpc_garage.tuning.search import search as _search
+
+    return _search(task, space, trials, metric, mode, sampler, budget, **kwargs)
 
 
 def __getattr__(name: str) -> Any:

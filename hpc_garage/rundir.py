@@ -66,6 +66,7 @@ FLOW_RUNS_FILE = "flow-runs"
 REPORT_FILE = "report.json"
 METRICS_DIR = "metrics"  # private (0700): what the trials reported (prefect/metrics.py writes it)
 METRICS_SUMMARY_FILE = "trials.json"  # in METRICS_DIR
+SEARCH_SUMMARY_FILE = "search.json"  # hpc_garage.search: the study's best, counts, GPU-hours (tuning/leaderboard.py)
 DOCTOR_FILE = "doctor.json"
 CANCEL_FILE = "cancel-requested"  # private to `cancel` and `run`: this start of the job is being cancelled
 UNRECORDED_FILE = "unrecorded.json"
@@ -250,6 +251,11 @@ class RunDir:
     def metrics_summary(self) -> Path:
         """trials.json: each reporting trial's last and best values, state; the best trial; counts."""
         return self.metrics_dir / METRICS_SUMMARY_FILE
+
+    @property
+    def search_summary(self) -> Path:
+        """search.json: the search's (hpc_garage.search) best trial, its counts, GPU-hours against its budget."""
+        return self.path / SEARCH_SUMMARY_FILE
 
     def trial_metrics(self, trial_id: str) -> Path:
         """One trial's reports, a JSON line each; the id made a safe file name (a key or a task run id is one)."""

@@ -70,8 +70,9 @@ LAYERS: dict[str, set[str]] = {
                           "prefect"},
     "cli": FLOOR | {"compat", "schedulers", "launchers", "prefect_api", "cluster", "pruning", "prefect", "work_pool",
                     "doctor"},
-    "__init__": PREFECT_SIDE | {"prefect"},  # the package root: resources(), task_runner()
+    "__init__": PREFECT_SIDE | {"prefect", "tuning"},  # the package root: resources(), task_runner(), search()
     "trial": PREFECT_SIDE | {"prefect"},  # the per-trial API: checkpoint_dir(), should_stop(), Interrupted
+    "tuning": PREFECT_SIDE | {"prefect"},  # hpc_garage.search: Optuna's ask and tell over the job's workers
 }
 LAYERS["__main__"] = LAYERS["cli"] | {"cli"}  # `python -m hpc_garage`: the CLI
 # Dotted names a module spells without loading them (or for a loader elsewhere): not followed as its reach; the

@@ -213,7 +213,7 @@ class WindDown:
         left, limit = answer
         margin = margin_for(self.site, limit)
         self._lead = lead_for(margin, float(self.site.checkpoint_grace), limit)
-        self._note(ends_in=round(left), wind_down_margin=round(self._lead))
+        self._note(ends_in=round(left), ends_at=round(time.time() + left), wind_down_margin=round(self._lead))
         return time.monotonic() + left, margin
 
     async def _wind_down(self, scheduler: Any, proc: asyncio.subprocess.Process, why: str, end: float | None,

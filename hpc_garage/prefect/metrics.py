@@ -134,6 +134,12 @@ class TrialMetrics:
             self._sender.shutdown(wait=True)  # the last stops and answers: the client still lives
         self._thread, self._client, self._sender = None, None, None
 
+    def run_record(self, run_id: str) -> dict[str, Any] | None:
+        """A task run's trial record (state "pruned" once its pruner stopped it, "started": its first report's
+        time), or None before its first report; read from the flow's thread (hpc_garage.search)."""
+        trial_id = self._runs.get(run_id)
+        return dict(self.trials.get(trial_id) or {}) or None if trial_id is not None else None
+
     # ---- the drain thread
 
     def _drain(self) -> None:

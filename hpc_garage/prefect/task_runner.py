@@ -145,6 +145,11 @@ class HpcTaskRunner(DaskTaskRunner):
         super().__enter__()
         return self
 
+    @property
+    def metrics(self) -> TrialMetrics | None:
+        """The flow's trials' reports (prefect/metrics.py), from the first submission on (hpc_garage.search)."""
+        return self._metrics
+
     def duplicate(self) -> HpcTaskRunner:
         """Prefect enters a duplicate of the flow's runner for each flow run: it keeps the pruner settings."""
         copy = super().duplicate()
