@@ -1,0 +1,116 @@
+"""hpc_garage.search (tuning/search.py): the task it is given is checked at once; a real flow on a local cluster
+stops at its budget and says so, continues the same study where a search stopped (the trial a job left running
+first, with its parameters; no told trial asked or run again), and ends on too many failed trials."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from hpc_garage.core.errors import UserError
+from hpc_garage.tuning.search import _capacity, _check_task, _value
+from tests.conftest import ROOT
+
+
+def test_the_value_is_the_number_returned_or_the_metric_in_a_dict() -> None:
+    assert _value(0.5, "loss") == 0.5 and _value({"loss": 2, "acc": 0.1}, "loss") == 2.0
+    assert _value({"acc": 0.1}, "loss") is None and _value("0.5", "loss") is None
+    assert _value(float("nan"), "loss") is None and _value(None, "loss") is None
+
+
+def test_one_trial_per_worker_or_as_many_as_its_resources_allow() -> None:
+    assert _capacity({"GPU": 4.0}, {"GPU": 1.0}) == 4
+    assert _capacity({"GPU": 1.0}, {"GPU": 2.0}) == 0
+    assert _capacity({"GPU": 4.0, "CPU": 8.0}, {"GPU": 1.0, "CPU": 4.0}) == 2
+    assert _capacity({}, {}) == 1
+
+
+def test_a_task_that_cannot_take_the_space_is_refused_in_one_line() -> None:
+    from prefect import task
+
+    @task
+    def train(lr: float, depth: int, seed: int) -> float:
+        return lr
+
+    with pytest.raises(UserError, match=r"^search\(train, space=...\): the task takes no parameter width; the space "
+                       r"gives no value for seed \(give it a default\)$"):
+        _check_task(train, {"lr": None, "depth": None, "width": None})
+    with pytest.raises(UserError, match=r"give a Prefect task"):
+        _check_task(lambda lr: lr, {"lr": None})
+
+
+SCRIPT = """
+import json, os, sys, time
+from pathlib import Path
+import optuna
+from optuna.storages import JournalStorage
+from optuna.storages.journal import JournalFileBackend
+from prefect import flow, task
+import hpc_garage
+
+SPACE = {"lr": ("log", 1e-4, 1.0), "depth": ("int", 2, 8)}
+
+@task
+def train(lr: float, depth: int) -> dict:
+    Path("runs", f"{lr!r}-{depth}-{time.time_ns()}").touch()  # every execution leaves a mark
+    time.sleep(0.5)
+    return {"loss": (lr - 0.01) ** 2 + depth * 0.001}
+
+@task
+def broken(lr: float, depth: int) -> float:
+    raise ValueError(f"depth {depth} breaks")
+
+@flow(task_runner=hpc_garage.task_runner())
+def tune() -> dict:
+    first = hpc_garage.search(train, space=SPACE, trials=12, metric="loss", budget="4 GPUs", seed=1)
+    again = hpc_garage.search(train, space=SPACE, trials=8, metric="loss", seed=1)
+    failing = hpc_garage.search(broken, space=SPACE, trials=20, metric="loss", max_failures=3, name="failing")
+    return {"first": first.summary(), "again": again.summary(), "failing": failing.summary(),
+            "first_ran": [r.number for r in sorted(first.results, key=lambda r: r.start)], "again_ran": [r.number for r in again.results],
+            "best": [again.best.number, again.best.params, again.best.value]}
+
+if __name__ == "__main__":
+    Path("runs").mkdir()
+    storage = JournalStorage(JournalFileBackend("search.journal"))
+    left = optuna.create_study(study_name="search", storage=storage).ask()  # a job ended with it running
+    left.suggest_float("lr", 1e-4, 1.0, log=True); left.suggest_int("depth", 2, 8)
+    out = tune()
+    study = optuna.load_study(study_name="search", storage=storage)
+    out["trials"] = [[t.number, t.state.name, t.params] for t in study.trials]
+    out["left"] = [left.number, left.params]
+    print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_a_search_stops_at_its_budget_continues_the_same_study_and_ends_on_failures(tmp_path: Path) -> None:
+    (tmp_path / "tune.py").write_text(textwrap.dedent(SCRIPT))
+    done = subprocess.run([sys.executable, "tune.py"], cwd=tmp_path, capture_output=True, text=True, timeout=400,
+                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-3000:]
+    out = json.loads(lines[0][len("RESULT "):])
+    first, again, failing = out["first"], out["again"], out["failing"]
+    # the budget (4 GPU-seconds; each trial is >= 0.5 s on its worker) came before the 12 trials, and it says so
+    assert first["stopped"].startswith("budget: ") and first["told"] < 12, first
+    assert first["gpu_hours"] * 3600 >= 4 and first["budget_gpu_hours"] == round(4 / 3600, 4), first
+    # the trial the "last job" left running ran first, with its own parameters, and was told
+    left_number, left_params = out["left"]
+    assert out["first_ran"][0] == left_number
+    states = {number: (state, params) for number, state, params in out["trials"]}
+    assert states[left_number] == ("COMPLETE", left_params)
+    # the second search continued the study to 8 trials: no told trial asked again, none run again
+    assert again["stopped"] == "trials: all 8 trials asked" and again["told"] == 8 and again["running"] == 0
+    assert not set(out["first_ran"]) & set(out["again_ran"]), (out["first_ran"], out["again_ran"])
+    assert sorted(out["first_ran"] + out["again_ran"]) == list(range(8))
+    assert len(list((tmp_path / "runs").iterdir())) == 8  # each trial ran once
+    assert out["best"][0] in states and states[out["best"][0]][0] == "COMPLETE"
+    # failures end the search, in one line naming the last; the trial still in flight then ends too (told)
+    assert 3 <= failing["failed"] <= 2 + failing["workers"] and failing["told"] == failing["failed"], failing
+    assert failing["stopped"].startswith("failures: 3 trials failed (max_failures=3); the last: trial #")
+    assert "ValueError" in failing["stopped"] and "breaks" in failing["stopped"], failing["stopped"]
