@@ -73,8 +73,8 @@ def search(task: Any, space: Any, trials: int, metric: str, mode: str = "min", s
     `trials` trials or `budget` ("20 GPUh", "90 GPUmin", "600 GPUs"; GPU-seconds of the trials), whichever
     comes first, after `max_failures=5` failed trials, or before a trial that could not reach its first report
     before the job's wind-down (the follow-up job continues). The study lives in the sweep's results
-    (`search.journal`): a follow-up job or `hpc-garage resume` continues it. Also `seed=` (the sampler's) and
-    `name=` (the study's, "search"). Returns an object with `.best` (number, params, value), `.study` (Optuna's),
+    (`search.journal`): a follow-up job or `hpc-garage resume` continues it. Also `fixed=` (the task's other
+    arguments, the same for every trial), `seed=` (the sampler's) and `name=` (the study's, "search"). Returns an object with `.best` (number, params, value), `.study` (Optuna's),
     `.stopped` (why), `.results` (this job's trials). Needs `pip install 'hpc-garage[tune]'`.
     """
     from hpc_garage.tuning.search import search as _search

@@ -46,3 +46,12 @@ def test_no_trial_starts_that_could_not_reach_its_first_report_before_the_wind_d
 def test_before_any_trial_ended_the_wind_down_cannot_be_judged() -> None:
     ledger = Ledger(trials=100, budget=None, max_failures=5)
     assert ledger.first_report() is None and ledger.stop_reason(1000.0, [], 1001.0) is None
+
+
+def test_a_trial_waits_in_the_queue_only_if_it_would_still_report_before_the_wind_down() -> None:
+    ledger = Ledger(trials=100, budget=None, max_failures=5)
+    assert ledger.may_queue(1000.0, None)  # no job end: always
+    assert not ledger.may_queue(1000.0, 5000.0)  # a job end, and nothing seen yet to judge by
+    ledger.first_reports += [10.0]
+    ledger.durations += [100.0]
+    assert ledger.may_queue(1000.0, 1110.0) and not ledger.may_queue(1000.0, 1109.0)

@@ -5,6 +5,7 @@ first, with its parameters; no told trial asked or run again), and ends on too m
 from __future__ import annotations
 
 import json
+import time
 import subprocess
 import sys
 import textwrap
@@ -39,9 +40,9 @@ def test_a_task_that_cannot_take_the_space_is_refused_in_one_line() -> None:
 
     with pytest.raises(UserError, match=r"^search\(train, space=...\): the task takes no parameter width; the space "
                        r"gives no value for seed \(give it a default\)$"):
-        _check_task(train, {"lr": None, "depth": None, "width": None})
+        _check_task(train, ["lr", "depth", "width"])
     with pytest.raises(UserError, match=r"give a Prefect task"):
-        _check_task(lambda lr: lr, {"lr": None})
+        _check_task(lambda lr: lr, ["lr"])
 
 
 SCRIPT = """
@@ -110,7 +111,93 @@ def test_a_search_stops_at_its_budget_continues_the_same_study_and_ends_on_failu
     assert sorted(out["first_ran"] + out["again_ran"]) == list(range(8))
     assert len(list((tmp_path / "runs").iterdir())) == 8  # each trial ran once
     assert out["best"][0] in states and states[out["best"][0]][0] == "COMPLETE"
-    # failures end the search, in one line naming the last; the trial still in flight then ends too (told)
-    assert 3 <= failing["failed"] <= 2 + failing["workers"] and failing["told"] == failing["failed"], failing
+    # failures end the search, in one line naming the last; the trials in flight then (one per worker, and one
+    # queued in Dask) end too, and are told
+    in_flight = failing["workers"] + 1
+    assert 3 <= failing["failed"] <= 2 + in_flight and failing["told"] == failing["failed"], failing
     assert failing["stopped"].startswith("failures: 3 trials failed (max_failures=3); the last: trial #")
     assert "ValueError" in failing["stopped"] and "breaks" in failing["stopped"], failing["stopped"]
+
+
+# ---------------------------------------------------------------------- on the local SLURM
+
+ASK_TELL = ROOT / "examples" / "optuna_ask_tell.py"
+
+
+def _concurrency(records: list[dict]) -> int:
+    edges = sorted([(r["start"], 1) for r in records] + [(r["end"], -1) for r in records])
+    busy, most = 0, 0
+    for _, step in edges:
+        busy += step
+        most = max(most, busy)
+    return most
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_the_example_keeps_every_gpu_of_two_nodes_busy(tmp_path: Path) -> None:
+    """examples/optuna_ask_tell.py on 2 nodes x 4 GPUs: as many trials at once as GPUs, never more, and a GPU
+    whose trial ended gets the next one within 1 s while trials are left to ask."""
+    from tests.test_durable import hpcg, site_file
+
+    site, out, trials, gpus = site_file(tmp_path), tmp_path / "search.json", 32, 8
+    done = hpcg(["submit", "--site", str(site), "--nodes", "2", "--gpus-per-node", "4", "--time", "10", "--wait",
+                 str(ASK_TELL), "--trials", str(trials), "--steps", "10", "--step-seconds", "0.2", "--out", str(out)],
+                tmp_path, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    summary = json.loads(out.read_text())
+    assert summary["gpus"] == gpus and summary["workers"] == gpus and summary["told"] == trials, summary
+    records = summary["records"]
+    assert len(records) == trials and _concurrency(records) == gpus
+    starts, ends = sorted(r["start"] for r in records), sorted(r["end"] for r in records)
+    gaps = [starts[k + gpus] - ends[k] for k in range(trials - gpus)]
+    print(f"search: {trials} trials on {gpus} GPUs ({summary['states']}); end -> next start: max {max(gaps):.2f} s, "
+          f"mean {sum(gaps) / len(gaps):.2f} s")
+    assert max(gaps) < 1.0, gaps
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_a_cancelled_search_resumes_with_as_many_told_trials_as_asked_none_twice(tmp_path: Path) -> None:
+    """The example on 1 node x 4 GPUs, cancelled once 6 trials were told, then resumed: the study ends with
+    exactly its trials, all told; the resumed job runs none the first job had told."""
+    import optuna
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    from tests.slurm_jobs import wait_gone
+    from tests.test_durable import hpcg, site_file
+    from tests.test_pruning_sweep import job_of
+
+    site, out, trials = site_file(tmp_path), tmp_path / "search.json", 20
+    done = hpcg(["submit", "--site", str(site), "--nodes", "1", "--gpus-per-node", "4", "--time", "10",
+                 str(ASK_TELL), "--trials", str(trials), "--steps", "15", "--step-seconds", "0.3", "--out", str(out)],
+                tmp_path)
+    job = job_of(done)
+
+    def study() -> optuna.Study | None:
+        found = list((tmp_path / "runs" / "sweeps").glob("*/*/search.journal"))
+        if not found:
+            return None
+        return optuna.load_study(study_name="search", storage=JournalStorage(JournalFileBackend(str(found[0]))))
+
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        s = study()
+        if s is not None and sum(t.state.is_finished() for t in s.trials) >= 6:
+            break
+        time.sleep(0.5)
+    cancelled = hpcg(["cancel", job, "--site", str(site)], tmp_path, timeout=200)
+    assert cancelled.returncode == 0, cancelled.stdout + cancelled.stderr
+    wait_gone(job, 120)
+    s = study()
+    assert s is not None and not out.exists(), "the search ended before the cancel"
+    told_before = {t.number for t in s.trials if t.state.is_finished()}
+    assert len(told_before) < trials
+    resumed = hpcg(["resume", job, "--site", str(site), "--wait"], tmp_path, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    s = study()
+    assert s is not None and len(s.trials) == trials and all(t.state.is_finished() for t in s.trials)
+    ran_again = {r["number"] for r in json.loads(out.read_text())["records"]} & told_before
+    print(f"cancelled with {len(told_before)} told; resumed to {trials}")
+    assert not ran_again, f"told before the cancel and run again: {sorted(ran_again)}"

@@ -73,3 +73,12 @@ def test_the_named_samplers_are_optunas_and_tpe_lies_constantly() -> None:
     assert isinstance(settings.make_sampler("qmc", 3, optuna), optuna.samplers.QMCSampler)
     mine = optuna.samplers.CmaEsSampler(seed=1)
     assert checked(sampler=mine).sampler is mine and settings.make_sampler(mine, 3, optuna) is mine
+
+
+def test_fixed_arguments_are_a_dict_apart_from_the_space() -> None:
+    space = checked().space
+    assert settings.fixed_arguments(None, space) == {} and settings.fixed_arguments({"steps": 3}, space) == {"steps": 3}
+    with pytest.raises(UserError, match=r"^search\(fixed=\.\.\.\): lr is in the space too"):
+        settings.fixed_arguments({"lr": 0.1}, space)
+    with pytest.raises(UserError, match=r"^search\(fixed=\[3\]\): give a dict"):
+        settings.fixed_arguments([3], space)

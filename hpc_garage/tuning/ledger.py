@@ -30,6 +30,7 @@ class Ledger:
     failures: int = 0
     last_failure: str = ""
     first_reports: list[float] = field(default_factory=list)  # s from a trial's start to its first report (or end)
+    durations: list[float] = field(default_factory=list)  # s each trial ran, start to end
     stopped: str | None = None  # the one-line reason the search stopped asking, once it did
 
     def running(self, in_flight: list[tuple[float, float]], now: float) -> float:
@@ -55,6 +56,15 @@ class Ledger:
             return (f"{WALLTIME}: a trial takes {first:.0f} s to its first report, and the job winds down in "
                     f"{max(0.0, winds_down_at - now):.0f} s; the next job continues the search")
         return None
+
+    def may_queue(self, now: float, winds_down_at: float | None) -> bool:
+        """Whether a trial may wait in Dask's queue for the next worker that frees: it starts up to a trial's
+        duration from now, so it must still reach its first report before the wind-down from then."""
+        if winds_down_at is None:
+            return True
+        if not self.durations or (first := self.first_report()) is None:
+            return False
+        return now + statistics.median(self.durations) + first <= winds_down_at
 
     def first_report(self) -> float | None:
         """How long a trial takes to report first (or end), judged from the trials seen so far: the median."""

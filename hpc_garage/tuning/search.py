@@ -112,11 +112,13 @@ class Search:
 
 
 def search(task: Any, space: Any, trials: int, metric: str, mode: str = "min", sampler: Any = "tpe",
-           budget: Any = None, *, max_failures: int = 5, seed: int | None = None, name: str = "search") -> Search:
+           budget: Any = None, *, max_failures: int = 5, seed: int | None = None, name: str = "search",
+           fixed: dict[str, Any] | None = None) -> Search:
     """Run an Optuna study's trials on every worker that can run `task` (see hpc_garage.search)."""
     given = checks.check(space, trials, metric, mode, sampler, budget, max_failures, name)
+    fixed = checks.fixed_arguments(fixed, given.space)
     runner = _runner()
-    _check_task(task, given.space)
+    _check_task(task, [*given.space, *fixed])
     optuna = checks.optuna_module("search()")
     from hpc_garage.prefect.task_runner import task_resources, worker_resources
 
@@ -126,19 +128,21 @@ def search(task: Any, space: Any, trials: int, metric: str, mode: str = "min", s
         raise UserError(f"search({task.name}): no worker offers what the task asks ({need}); ask for a job with "
                         "such workers, or change the task's hpc_garage.resources(...)")
     study = _open_study(given, seed, optuna)
-    return _Driver(task, given, study, runner, workers, need.get("GPU", 1.0) or 1.0, optuna).run()
+    return _Driver(task, given, study, runner, workers, need.get("GPU", 1.0) or 1.0, optuna, fixed).run()
 
 
 class _Driver:
     """One search's loop in the flow's thread: every worker busy, each ended trial told, the next one asked."""
 
     def __init__(self, task: Any, given: checks.Settings, study: Any, runner: Any, workers: int, gpus: float,
-                 optuna: Any) -> None:
-        self.task, self.given, self.study, self.runner = task, given, study, runner
+                 optuna: Any, fixed: dict[str, Any]) -> None:
+        self.task, self.given, self.study, self.runner, self.fixed = task, given, study, runner, fixed
         self.workers, self.gpus, self.optuna = workers, gpus, optuna
         self.states = optuna.trial.TrialState
         self.ledger = Ledger(trials=given.trials, budget=given.budget_seconds, max_failures=given.max_failures)
-        self.in_flight: dict[Any, tuple[Any, float]] = {}  # future -> (its Optuna trial, when it was submitted)
+        # future -> [its Optuna trial, when it started: submitted to a free worker, or one freed for it; None: queued]
+        self.in_flight: dict[Any, list[Any]] = {}
+        self.ahead = max(1, workers // 4) if workers > 1 else 0  # trials queued in Dask beyond the free workers
         self.results: list[TrialResult] = []
         self._end: tuple[float, float | None] = (-END_READ_EVERY, None)  # (read at, winds down at)
         known = study.get_trials(deepcopy=False)
@@ -171,11 +175,17 @@ class _Driver:
         return result
 
     def _fill(self) -> None:
-        """Every free worker gets a trial: the last job's left ones first, then new ones while the ledger allows."""
-        while len(self.in_flight) < self.workers:
+        """Every free worker gets a trial, and `ahead` more wait in Dask's queue, so that a worker whose trial
+        ends starts the next at once, without a round trip through this loop (Dask's resources keep it to one
+        trial per GPU): the last job's left trials first, then new ones while the ledger allows."""
+        while len(self.in_flight) < self.workers + self.ahead:
             now = time.time()
-            spent = [(start, self.gpus) for _, start in self.in_flight.values()]
-            why = self.ledger.stop_reason(now, spent, self._winds_down_at(now))
+            spent = [(start, self.gpus) for _, start in self.in_flight.values() if start is not None]
+            winds_down_at = self._winds_down_at(now)
+            why = self.ledger.stop_reason(now, spent, winds_down_at)
+            queued = len(self.in_flight) >= self.workers
+            if queued and not self.ledger.may_queue(now, winds_down_at):
+                return
             if self.left and (why is None or why.startswith(TRIALS)):  # asked before: the count holds them
                 trial = self.left.pop(0)
             elif why is None:
@@ -183,15 +193,22 @@ class _Driver:
                 self.ledger.asked += 1
             else:
                 return
-            self.in_flight[self.task.submit(**trial.params)] = (trial, time.time())
+            future = self.task.submit(**trial.params, **self.fixed)
+            self.in_flight[future] = [trial, None if queued else time.time()]
 
     def _ended(self, future: Any) -> None:
         trial, start = self.in_flight.pop(future)
         state, end = future.state, time.time()
+        if start is None:  # it ended before a worker was known free for it (e.g. its result was cached)
+            start = end
+        waiting = [entry for entry in self.in_flight.values() if entry[1] is None]
+        if waiting:  # the worker it freed starts the oldest queued trial now
+            waiting[0][1] = end
         run = self._run_record(future)
         first = run.get("started") if run else None
         self.ledger.first_reports.append(max(0.0, (first if isinstance(first, (int, float)) else end) - start))
         spent = (end - start) * self.gpus
+        self.ledger.durations.append(end - start)
         self.ledger.used += spent
         self.study.set_user_attr(GPU_SECONDS, self.ledger.used)
         if isinstance(trial, self.optuna.trial.Trial):  # asked in this job (the last job's: the study's total only)
@@ -260,7 +277,7 @@ def _runner() -> Any:
     return runner
 
 
-def _check_task(task: Any, space: dict[str, Any]) -> None:
+def _check_task(task: Any, space: list[str]) -> None:
     from hpc_garage.prefect.search_runs import is_task
 
     if not is_task(task):

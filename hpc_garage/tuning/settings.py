@@ -105,6 +105,18 @@ def _distribution(key: str, entry: Any, dists: Any) -> Any:
     return dists.FloatDistribution(float(low), float(high), log=kind == "log")
 
 
+def fixed_arguments(fixed: Any, space: dict[str, Any]) -> dict[str, Any]:
+    """The task's arguments every trial gets unchanged (fixed={"steps": 30}): a dict, none also in the space."""
+    if fixed is None:
+        return {}
+    if not isinstance(fixed, Mapping) or not all(isinstance(k, str) and k.isidentifier() for k in fixed):
+        raise UserError(f"search(fixed={fixed!r}): give a dict of the task's other arguments by name, e.g. "
+                        "fixed={'steps': 30}")
+    if both := sorted(set(fixed) & set(space)):
+        raise UserError(f"search(fixed=...): {', '.join(both)} is in the space too; give it in one of the two")
+    return dict(fixed)
+
+
 def checked_sampler(sampler: Any, optuna: Any) -> Any:
     if isinstance(sampler, optuna.samplers.BaseSampler) or sampler in SAMPLERS:
         return sampler
