@@ -45,3 +45,18 @@ def test_metrics_of_any_shape_are_a_line_or_nothing(metrics: object) -> None:
     """What the trials reported comes from a file the flow writes: a shape this does not know is no line."""
     text = metrics_text(metrics)
     assert text is None or "reporting" in text
+
+
+def test_a_searchs_summary_is_one_line_with_its_best_trial_counts_and_budget() -> None:
+    from hpc_garage.core.progress_text import search_text
+
+    summary = {"study": "search", "metric": "loss", "stopped": "budget: 20 GPUh of 20 GPUh used", "told": 42,
+               "complete": 10, "pruned": 30, "failed": 2, "running": 0, "gpu_hours": 20.04, "budget_gpu_hours": 20.0,
+               "best": {"number": 17, "params": {"lr": 0.003, "depth": 4}, "value": 0.123456789}}
+    assert search_text(summary) == ("search: 42 trials told (10 complete, 30 pruned, 2 failed), 20 GPUh of 20 GPUh; "
+                                    "best #17 loss 0.123457 {'lr': 0.003, 'depth': 4}; stopped: budget: 20 GPUh of "
+                                    "20 GPUh used")
+    running = {**summary, "stopped": "", "best": None, "budget_gpu_hours": None, "gpu_hours": 0.5}
+    assert search_text(running) == ("search: 42 trials told (10 complete, 30 pruned, 2 failed), 0.5 GPUh; no trial "
+                                    "finished yet")
+    assert search_text(None) is None and search_text({"trials": {}}) is None

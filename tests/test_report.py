@@ -232,3 +232,20 @@ def test_report_counts_pruned_trials_estimates_the_saving_and_plots_the_curves(t
 
 def _png_height(path: Path) -> int:
     return int.from_bytes(path.read_bytes()[20:24], "big")  # the IHDR chunk: width, then height
+
+
+def test_a_search_in_the_run_directory_adds_its_line_to_the_report(tmp_path: Path) -> None:
+    from hpc_garage.cluster.report import with_metrics
+    from hpc_garage.rundir import RunDir
+
+    rundir = RunDir(tmp_path / "42")
+    rundir.path.mkdir()
+    search = {"study": "search", "metric": "loss", "stopped": "trials: all 8 trials asked", "told": 8, "complete": 3,
+              "pruned": 5, "failed": 0, "running": 0, "gpu_hours": 0.01, "budget_gpu_hours": None,
+              "best": {"number": 2, "params": {"lr": 0.1}, "value": 0.5}}
+    (rundir.search_summary).write_text(json.dumps(search))
+    report = with_metrics(build(record()), rundir)
+    assert report["search"] == search
+    assert summary(report)[-1] == ("search search: 8 trials told (3 complete, 5 pruned, 0 failed), 0.01 GPUh; best #2 "
+                                   "loss 0.5 {'lr': 0.1}; stopped: trials: all 8 trials asked")
+    assert "search" not in with_metrics(build(record()), RunDir(tmp_path / "43"))

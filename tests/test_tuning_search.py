@@ -45,6 +45,23 @@ def test_a_task_that_cannot_take_the_space_is_refused_in_one_line() -> None:
         _check_task(lambda lr: lr, ["lr"])
 
 
+def test_the_leaderboard_is_the_best_finished_trials_best_first() -> None:
+    import optuna
+
+    from hpc_garage.tuning.leaderboard import leaderboard
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(direction="maximize")
+    dist = {"lr": optuna.distributions.FloatDistribution(0, 1)}
+    for value, state in ((0.2, None), (0.9, None), (None, optuna.trial.TrialState.PRUNED), (0.5, None)):
+        trial = study.ask(dist)
+        trial.set_user_attr("hpc_garage_gpu_seconds", 12.34)
+        study.tell(trial, value, state=state)
+    rows = leaderboard(study, "acc", rows=2)
+    assert [(r["rank"], r["trial"], r["acc"]) for r in rows] == [(1, 1, 0.9), (2, 3, 0.5)]
+    assert rows[0]["gpu_seconds"] == 12.3 and set(rows[0]) == {"rank", "trial", "acc", "gpu_seconds", "lr"}
+
+
 SCRIPT = """
 import json, os, sys, time
 from pathlib import Path
@@ -154,6 +171,14 @@ def test_the_example_keeps_every_gpu_of_two_nodes_busy(tmp_path: Path) -> None:
     print(f"search: {trials} trials on {gpus} GPUs ({summary['states']}); end -> next start: max {max(gaps):.2f} s, "
           f"mean {sum(gaps) / len(gaps):.2f} s")
     assert max(gaps) < 1.0, gaps
+    from tests.test_pruning_sweep import job_of
+
+    job = job_of(done)  # status and the report show the search: its counts and its best trial
+    status = hpcg(["status", job, "--site", str(site)], tmp_path).stdout
+    assert f"search:         search: {trials} trials told (" in status and "best #" in status, status
+    report = hpcg(["report", job, "--site", str(site)], tmp_path).stdout.splitlines()
+    assert report[-1].startswith(f"search search: {trials} trials told ("), report
+    assert f"stopped: trials: all {trials} trials asked" in report[-1], report
 
 
 @pytest.mark.slurm

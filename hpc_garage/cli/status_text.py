@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any
 
-from hpc_garage.core.progress_text import progress_text, sweep_text
+from hpc_garage.core.progress_text import progress_text, search_text, sweep_text
 from hpc_garage.core.tunnel import ssh_tunnel
 
 if TYPE_CHECKING:
@@ -30,6 +30,7 @@ def job_lines(view: JobView) -> list[str]:
         "lost nodes": lost_nodes(data["run"]),
         "sweep": sweep_line(data["sweep"]),
         "sweep trials": sweep_text(data["sweep"]),
+        "search": search_text(_search_summary(data["run_dir"])),
         "log": data["log"],
         "run directory": data["run_dir"],
     }
@@ -39,6 +40,16 @@ def job_lines(view: JobView) -> list[str]:
     lines += [f"  {key + ':':<16}{value}" for key, value in details.items() if value]
     lines += [f"  {line}" for line in (progress_links(progress) if progress and not view.finished else ())]
     return lines
+
+
+def _search_summary(run_dir: str | None) -> dict[str, Any] | None:
+    """The job's search.json (hpc_garage.search), where it ran one."""
+    from pathlib import Path
+
+    from hpc_garage.files import read_json
+    from hpc_garage.rundir import RunDir
+
+    return read_json(RunDir(Path(run_dir)).search_summary) if run_dir else None
 
 
 def jobs_table(views: list[JobView]) -> list[str]:

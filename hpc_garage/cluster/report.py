@@ -22,7 +22,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from hpc_garage.core.progress_text import search_text
 from hpc_garage.core.units import format_bytes
+from hpc_garage.files import read_json
 
 __all__ = ["TASK_RUN_ID", "build", "busy_and_gaps", "by_task_run", "load", "plot", "summary", "trial_curves",
            "with_metrics"]
@@ -121,7 +123,8 @@ def summary(report: dict[str, Any]) -> list[str]:
         lines.append("trials: none ran")
     from hpc_garage.cluster.trial_metrics import lines as metrics_lines
 
-    return lines[:5] + _interrupted(report.get("interrupted") or []) + metrics_lines(report.get("metrics"))
+    search = [f"search {text}"] if (text := search_text(report.get("search"))) else []
+    return lines[:5] + _interrupted(report.get("interrupted") or []) + metrics_lines(report.get("metrics")) + search
 
 
 def _interrupted(trials: list[dict[str, Any]]) -> list[str]:
@@ -166,6 +169,8 @@ def with_metrics(report: dict[str, Any], rundir: Any) -> dict[str, Any]:
     from hpc_garage.cluster.trial_metrics import read_summary, section
 
     try:
+        if (search := read_json(rundir.search_summary)) is not None:
+            report["search"] = search  # hpc_garage.search's best trial, counts, GPU-hours against its budget
         summary = read_summary(rundir.metrics_summary)
         if summary is not None and (found := section(summary, by_task_run(report))) is not None:
             report["metrics"] = found

@@ -87,6 +87,21 @@ def interrupted_text(cut: dict[str, Any] | None) -> str:
     return text
 
 
+def search_text(search: Any) -> str | None:
+    """A search's search.json (hpc_garage.search) in one line: told, pruned, failed, GPU-hours against the
+    budget, the best trial and its parameters, why it stopped; None for anything else."""
+    if not isinstance(search, dict) or "told" not in search:
+        return None
+    budget = search.get("budget_gpu_hours")
+    used = f"{search.get('gpu_hours') or 0:.3g} GPUh" + (f" of {budget:.3g} GPUh" if budget is not None else "")
+    best = search.get("best")
+    found = (f"best #{best.get('number')} {search.get('metric')} {best.get('value'):.6g} {best.get('params')}"
+             if isinstance(best, dict) and isinstance(best.get("value"), (int, float)) else "no trial finished yet")
+    stopped = f"; stopped: {search['stopped']}" if search.get("stopped") else ""
+    return (f"{search.get('study')}: {search['told']} trials told ({search.get('complete', 0)} complete, "
+            f"{search.get('pruned', 0)} pruned, {search.get('failed', 0)} failed), {used}; {found}{stopped}")
+
+
 def _duration(seconds: float) -> str:
     seconds = int(round(seconds))
     hours, rest = divmod(seconds, 3600)

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from hpc_garage.rundir import RunDir
     from hpc_garage.tuning.search import Search
 
-__all__ = ["LEADERBOARD_KEY", "ROWS", "leaderboard", "lines", "publish"]
+__all__ = ["LEADERBOARD_KEY", "ROWS", "leaderboard", "publish", "write_summary"]
 
 logger = logging.getLogger(__name__)
 
@@ -34,14 +34,18 @@ def leaderboard(study: Any, metric: str, rows: int = ROWS) -> list[dict[str, Any
             for rank, t in enumerate(complete[:rows], start=1)]
 
 
-def publish(result: Search, rundir: RunDir | None) -> None:
-    """search.json for status and the report, and the leaderboard artifact in Prefect."""
-    summary = result.summary()
+def write_summary(result: Search, rundir: RunDir | None) -> None:
+    """search.json for status and the report (core/progress_text.search_text says it in a line)."""
     if rundir is not None:
         try:
-            write_json(rundir.search_summary, summary, indent=2)
+            write_json(rundir.search_summary, result.summary(), indent=2)
         except OSError as exc:
             logger.warning("could not write %s: %s", rundir.search_summary, exc)
+
+
+def publish(result: Search, rundir: RunDir | None) -> None:
+    """search.json, and the leaderboard artifact in Prefect."""
+    write_summary(result, rundir)
     try:
         from hpc_garage.prefect.search_runs import table_artifact
 
@@ -49,15 +53,3 @@ def publish(result: Search, rundir: RunDir | None) -> None:
                               description=result.line())
     except Exception as exc:  # noqa: BLE001 - the leaderboard is bookkeeping; the search's result stands
         logger.warning("could not create the search's leaderboard artifact in Prefect: %s", exc)
-
-
-def lines(summary: dict[str, Any]) -> list[str]:
-    """status's and the report's lines for a search.json."""
-    budget = summary.get("budget_gpu_hours")
-    used = f"{summary.get('gpu_hours', 0):.3g} GPUh" + (f" of {budget:.3g} GPUh" if budget is not None else "")
-    out = [f"search {summary.get('study')}: {summary.get('told', 0)} trials told ({summary.get('complete', 0)} "
-           f"complete, {summary.get('pruned', 0)} pruned, {summary.get('failed', 0)} failed), {used}; "
-           f"stopped: {summary.get('stopped')}"]
-    if best := summary.get("best"):
-        out.append(f"  best trial #{best['number']}: {summary.get('metric')} {best['value']:.6g} {best['params']}")
-    return out

@@ -27,7 +27,7 @@ from hpc_garage.core.errors import UserError
 from hpc_garage.rundir import RunDir
 from hpc_garage.tuning import settings as checks
 from hpc_garage.tuning.ledger import GPU_SECONDS, INTERRUPTED, TRIALS, WALLTIME, Ledger, hours
-from hpc_garage.tuning.leaderboard import publish
+from hpc_garage.tuning.leaderboard import publish, write_summary
 from hpc_garage.variables import RESULTS_ENV
 
 __all__ = ["Best", "Search", "SearchInterrupted", "search"]
@@ -144,6 +144,7 @@ class _Driver:
         self.in_flight: dict[Any, list[Any]] = {}
         self.ahead = max(1, workers // 4) if workers > 1 else 0  # trials queued in Dask beyond the free workers
         self.results: list[TrialResult] = []
+        self.rundir = RunDir.of_this_run()  # under `hpc-garage run`: search.json for status and the report
         self._end: tuple[float, float | None] = (-END_READ_EVERY, None)  # (read at, winds down at)
         known = study.get_trials(deepcopy=False)
         self.ledger.asked = len(known)
@@ -164,15 +165,18 @@ class _Driver:
                 break
             self._ended(first_done(list(self.in_flight)))
         stopped = self.ledger.stopped or "trials: none left to ask"
-        result = Search(self.study, self.given.metric, stopped, self.ledger.used, self.given.budget_seconds,
-                        self.workers, self.results)
+        result = self._result(stopped)
         logger.info("%s", result.line())
-        publish(result, RunDir.of_this_run())
+        publish(result, self.rundir)
         if stopped.startswith(WALLTIME):
             self._await_wind_down()
         if stopped.startswith(INTERRUPTED):  # the flow ends as its trials did: the job's end, not the search's
             raise SearchInterrupted(result.line())
         return result
+
+    def _result(self, stopped: str | None) -> Search:
+        return Search(self.study, self.given.metric, stopped or self.ledger.stopped or "", self.ledger.used,
+                      self.given.budget_seconds, self.workers, self.results)
 
     def _fill(self) -> None:
         """Every free worker gets a trial, and `ahead` more wait in Dask's queue, so that a worker whose trial
@@ -237,6 +241,7 @@ class _Driver:
             logger.warning("search: %s (it is told as failed; the search goes on)", self.ledger.last_failure)
             self._tell(trial.number, state=self.states.FAIL)
         self.results.append(TrialResult(trial.number, dict(trial.params), kind, value, output, start, end))
+        write_summary(self._result(None), self.rundir)  # status shows the search as it goes
 
     def _tell(self, number: int, value: float | None = None, state: Any = None) -> None:
         self.study.tell(number, value, state=state, skip_if_finished=True)
@@ -251,8 +256,7 @@ class _Driver:
         """When the job winds down at the latest (run's wind-down notes the end in state.json), or None."""
         read_at, at = self._end
         if now - read_at >= END_READ_EVERY:
-            rundir = RunDir.of_this_run()
-            state = (rundir.state() if rundir is not None else None) or {}
+            state = (self.rundir.state() if self.rundir is not None else None) or {}
             ends_at, lead = state.get("ends_at"), state.get("wind_down_margin") or 0
             at = float(ends_at) - float(lead) if isinstance(ends_at, (int, float)) else None
             self._end = (now, at)
