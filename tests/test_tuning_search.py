@@ -5,10 +5,11 @@ first, with its parameters; no told trial asked or run again), and ends on too m
 from __future__ import annotations
 
 import json
-import time
+import re
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -226,3 +227,41 @@ def test_a_cancelled_search_resumes_with_as_many_told_trials_as_asked_none_twice
     ran_again = {r["number"] for r in json.loads(out.read_text())["records"]} & told_before
     print(f"cancelled with {len(told_before)} told; resumed to {trials}")
     assert not ran_again, f"told before the cancel and run again: {sorted(ran_again)}"
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_a_search_that_reaches_its_walltime_continues_in_the_follow_up_job(tmp_path: Path) -> None:
+    """--time 1 (60 s) with `requeue: auto` for a search of about 70 s of trials on 4 GPUs: each job winds
+    down, the follow-up job continues the same study, and it ends with exactly its trials, all told. No trial
+    was started that did not reach its first report before its job ended: every trial a job interrupted had
+    reported (it is in that job's trials.json)."""
+    import optuna
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    from hpc_garage.cluster.report import by_task_run
+    from tests.test_durable import hpcg, job_logs, site_file
+
+    site = site_file(tmp_path, "requeue: auto\nwalltime_margin: 15s\ncheckpoint_grace: 5s\n")
+    trials, out = 40, tmp_path / "search.json"
+    done = hpcg(["submit", "--site", str(site), "--nodes", "2", "--gpus-per-node", "2", "--time", "1", "--wait",
+                 str(ASK_TELL), "--trials", str(trials), "--steps", "15", "--step-seconds", "0.3", "--out", str(out)],
+                tmp_path, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr + job_logs(tmp_path / "runs")
+    assert re.search(r"the sweep continues in job \d+", done.stdout), done.stdout
+    [journal] = (tmp_path / "runs" / "sweeps").glob("*/*/search.journal")
+    study = optuna.load_study(study_name="search", storage=JournalStorage(JournalFileBackend(str(journal))))
+    assert len(study.trials) == trials and all(t.state.is_finished() for t in study.trials)
+    summary = json.loads(out.read_text())
+    assert summary["told"] == trials and summary["stopped"] == f"trials: all {trials} trials asked", summary
+    unreported = []
+    for report in (tmp_path / "runs").glob("*/report.json"):
+        metrics = report.parent / "metrics" / "trials.json"  # none: no trial of that job reported
+        reported = json.loads(metrics.read_text())["trials"] if metrics.exists() else {}
+        runs = {t["run"] for t in reported.values()}
+        unreported += [run for run, t in by_task_run(json.loads(report.read_text())).items()
+                       if t.get("interrupted") and run not in runs]
+    jobs = len(list((tmp_path / "runs").glob("*/report.json")))
+    print(f"search over {jobs} jobs: {summary['states']}")
+    assert jobs >= 2 and not unreported, unreported

@@ -144,6 +144,7 @@ class _Driver:
         self.in_flight: dict[Any, list[Any]] = {}
         self.ahead = max(1, workers // 4) if workers > 1 else 0  # trials queued in Dask beyond the free workers
         self.results: list[TrialResult] = []
+        self.interrupted: list[int] = []  # trials this job's end interrupted (left running for the next job)
         self.rundir = RunDir.of_this_run()  # under `hpc-garage run`: search.json for status and the report
         self._end: tuple[float, float | None] = (-END_READ_EVERY, None)  # (read at, winds down at)
         known = study.get_trials(deepcopy=False)
@@ -170,7 +171,8 @@ class _Driver:
         publish(result, self.rundir)
         if stopped.startswith(WALLTIME):
             self._await_wind_down()
-        if stopped.startswith(INTERRUPTED):  # the flow ends as its trials did: the job's end, not the search's
+        if self.interrupted:  # the flow ends as its trials did (the job's end, not the search's): `run` then
+            # hands the search on to the follow-up job, which a flow that returned would cancel
             raise SearchInterrupted(result.line())
         return result
 
@@ -220,6 +222,7 @@ class _Driver:
         output, value, kind = None, None, "failed"
         if state.is_crashed():  # interrupted (its job is ending): left running for the job that continues it
             kind = "interrupted"
+            self.interrupted.append(trial.number)
             self.ledger.stopped = self.ledger.stopped or (f"{INTERRUPTED}: the job is ending; the next job continues "
                                                           f"trial #{trial.number} and the search")
         elif state.is_completed():
