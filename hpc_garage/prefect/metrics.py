@@ -134,12 +134,6 @@ class TrialMetrics:
             self._sender.shutdown(wait=True)  # the last stops and answers: the client still lives
         self._thread, self._client, self._sender = None, None, None
 
-    def run_record(self, run_id: str) -> dict[str, Any] | None:
-        """A task run's trial record (state "pruned" once its pruner stopped it, "started": its first report's
-        time), or None before its first report; read from the flow's thread (hpc_garage.search)."""
-        trial_id = self._runs.get(run_id)
-        return dict(self.trials.get(trial_id) or {}) or None if trial_id is not None else None
-
     # ---- the drain thread
 
     def _drain(self) -> None:
@@ -306,6 +300,13 @@ class TrialMetrics:
         if than is None or math.isnan(than):
             return True
         return value < than if self.mode == "min" else value > than
+
+
+def run_record(metrics: TrialMetrics, run_id: str) -> dict[str, Any] | None:
+    """A task run's trial record (state "pruned" once its pruner stopped it, "started": its first report's
+    time), or None before its first report; read from the flow's thread (hpc_garage.search)."""
+    trial_id = metrics._runs.get(run_id)  # noqa: SLF001 - this module's own
+    return dict(metrics.trials.get(trial_id) or {}) or None if trial_id is not None else None
 
 
 class PrunerAnswers(WorkerPlugin):

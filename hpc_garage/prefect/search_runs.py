@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["first_done", "flow_runner", "is_task", "table_artifact"]
+__all__ = ["first_done", "flow_runner", "is_task", "run_record", "table_artifact"]
 
 
 def flow_runner() -> Any:
@@ -17,6 +17,15 @@ def flow_runner() -> Any:
     context = FlowRunContext.get()
     runner = context.task_runner if context is not None else None
     return runner if isinstance(runner, HpcTaskRunner) else None
+
+
+def run_record(runner: Any, run_id: Any) -> dict[str, Any] | None:
+    """The task run's reports as the runner keeps them (prefect/metrics.py): its state ("pruned"), its first
+    report's time ("started"); None without reports or outside a run directory and a pruner."""
+    from hpc_garage.prefect.metrics import run_record as record_of
+
+    metrics = runner.metrics
+    return record_of(metrics, run_id.hex if hasattr(run_id, "hex") else str(run_id)) if metrics else None
 
 
 def is_task(obj: Any) -> bool:

@@ -251,9 +251,9 @@ class _Driver:
 
     def _run_record(self, future: Any) -> dict[str, Any] | None:
         """The task run's reports as the task runner keeps them (prefect/metrics.py): pruned?, first report."""
-        metrics = getattr(self.runner, "metrics", None)
-        run_id = future.task_run_id
-        return metrics.run_record(run_id.hex if hasattr(run_id, "hex") else str(run_id)) if metrics else None
+        from hpc_garage.prefect.search_runs import run_record
+
+        return run_record(self.runner, future.task_run_id)
 
     def _winds_down_at(self, now: float) -> float | None:
         """When the job winds down at the latest (run's wind-down notes the end in state.json), or None."""
