@@ -97,8 +97,14 @@ def python_argv(site: Site, env: Mapping[str, str] | None = None) -> list[str]:
 
 
 def enter(site: Site, argv: Sequence[str]) -> None:
-    """Re-execute this `hpc-garage` command inside the site's image, unless it already runs there."""
-    if site.container is None or os.environ.get(CONTAINER_ENV):
+    """Re-execute this `hpc-garage` command inside the site's image; once there, put the image's interpreter
+    first on PATH, so that COMMAND's `python` is the image's (the host's may be visible through a bind)."""
+    if site.container is None:
+        return
+    if os.environ.get(CONTAINER_ENV):
+        here = os.path.dirname(sys.executable)
+        os.environ["PATH"] = os.pathsep.join([here, *(p for p in os.environ.get("PATH", "").split(os.pathsep)
+                                                       if p and p != here)])
         return
     runtime = resolve_runtime(site)
     os.environ[CONTAINER_ENV] = runtime
