@@ -63,6 +63,18 @@ def check_inside(out: Path, seeds: int) -> list[dict]:
     return summary["records"]
 
 
+def test_doctor_runs_the_images_python_and_finds_this_version(tmp_path: Path, image: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)  # ch-run binds the working directory only onto a path the image has (/tmp: shared)
+    from hpc_garage._version import __version__
+    from hpc_garage.doctor.container import container_check
+    from hpc_garage.sites import parse_site_file
+
+    site = parse_site_file(site_file(tmp_path, image))
+    check = container_check(site, {**os.environ, "USER": os.environ.get("USER", "root")})
+    assert check is not None and not check.failed, check.line() if check else None
+    assert f"charliecloud image {image}: hpc-garage {__version__} inside, as here" in check.line()
+
+
 def test_login_node_run_inside_the_image(tmp_path: Path, image: Path) -> None:
     out, marks = tmp_path / "out.json", tmp_path / "marks"
     done = hpcg(["run", "--site", str(site_file(tmp_path, image)), "--", "python3", SWEEP.name, "4", str(out),
