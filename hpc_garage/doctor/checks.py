@@ -110,10 +110,6 @@ def _steps(site: Site, batch: BatchSystem | None, env: Mapping[str, str],
                 yield f"{system.queue_word}{pool}", _queue(system, f"{system.queue_word}{pool}", pool_site, site)
             yield "dask-mpi ranks", lambda: _rank_launch(system, site)
     yield "python", lambda: site_python(site, env)
-    if site.container is not None:
-        from hpc_garage.doctor.container import container_check
-
-        yield "container", lambda: container_check(site, env)
     yield "interface", lambda: interface(site)
     yield "run directory", lambda: run_directory(site)
     yield "results directory", lambda: results_directory(site)
