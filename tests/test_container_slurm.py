@@ -113,3 +113,24 @@ def test_two_nodes_four_gpus_each_trial_inside_the_image_on_its_own_gpu(tmp_path
     assert again.returncode == 0, again.stdout + again.stderr + job_logs(tmp_path / "runs")
     check_inside(out, seeds)
     assert sorted(int(x) for x in marks.read_text().split()) == list(range(seeds))
+
+
+LAUNCHES = {
+    "dask-mpi": {"mpi": '{launch: dask-mpi, srun_args: ["--mpi=pmix"]}', "env": '{OMPI_MCA_btl: "tcp,self"}'},
+    "jobqueue": {"launcher": "jobqueue", "jobqueue": "{gpus_per_job: 2, jobs: 2}", "walltime": '"00:10:00"'},
+}
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize("launch", list(LAUNCHES))
+def test_dask_mpi_ranks_and_jobqueue_worker_jobs_run_inside_the_image(tmp_path: Path, image: Path, launch: str) -> None:
+    out, marks, seeds = tmp_path / "out.json", tmp_path / "marks", 8
+    site = site_file(tmp_path, image, scheduler="slurm", queue="gpu", node="{cores: 8, memory: 15GiB, gpus: 4}",
+                     workers="{per: gpu, reserve_memory: 512MiB}", interface="lo", **LAUNCHES[launch])
+    nodes = ["--nodes", "2"] if launch == "dask-mpi" else []
+    done = hpcg(["submit", "--site", str(site), *nodes, "--wait", SWEEP.name, str(seeds), str(out), str(marks)],
+                tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr + job_logs(tmp_path / "runs")
+    records = check_inside(out, seeds)
+    assert all(r["cuda_visible_devices"] and "," not in r["cuda_visible_devices"] for r in records), records
+    assert len({r["worker"] for r in records}) > 1
