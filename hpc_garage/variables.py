@@ -32,6 +32,7 @@ SCHEDULER_FILE_ENV = "HPC_GARAGE_SCHEDULER_FILE"  # set by `run` for COMMAND onc
 JOB_ID_ENV = "HPC_GARAGE_JOB_ID"  # set by `run` for COMMAND: its job (another job's scheduler file is refused)
 BENCH_BYPASS_ENV = "HPC_GARAGE_BENCH_BYPASS_OUTAGE_HOOKS"  # bench/fault_cost.py only: "1" prices the outage hooks
 POOL_RESOURCES_ENV = "HPC_GARAGE_POOL_RESOURCES"  # set by `run` (jobqueue): what each kind of pool worker offers
+CONTAINER_ENV = "HPC_GARAGE_CONTAINER"  # set by `run` as it enters the site's image: the runtime (also: it runs inside)
 SECRETS_ENV = "HPC_GARAGE_SECRETS"  # set in a deployment's job script: the private file `run` reads the API's secrets from
 
 _YES = ("1", "true", "yes", "on")

@@ -3,7 +3,8 @@
 # command line is quoted; the site's setup lines are the site's own shell code. `run` starts Dask in this
 # allocation (one worker per task slot above), then runs the script with $$HPC_GARAGE_SCHEDULER_FILE set.
 ${ranks}
+${container_note}
 cd ${workdir} || exit 1
 ${setup}
 PY=${python}
-exec "$$PY" -m hpc_garage run --site ${site}${sweep} -- "$$PY" ${command}
+exec "$$PY" -m hpc_garage run --site ${site}${sweep}${container} -- ${inner} ${command}

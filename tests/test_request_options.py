@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hpc_garage.core.request_options import BY_NAME, KINDS, OPTIONS, SHAPE, RequestOption
+from hpc_garage.core.request_options import BY_NAME, KINDS, OPTIONS, SHAPE, SHOW, RequestOption
 
 ROOT = Path(__file__).resolve().parent.parent
 NOT_REQUEST = {"submit": {"--dry-run", "--wait", "--help"}, "show": {"--json", "--script", "--worker-script", "--help"}}
@@ -129,7 +129,7 @@ def sbatch_differences(table: tuple[RequestOption, ...]) -> list[str]:
 
 def test_the_cli_flags_are_the_tables() -> None:
     assert cli_differences(OPTIONS, "submit") == []
-    assert cli_differences(OPTIONS, "show", SHAPE) == []
+    assert cli_differences(OPTIONS, "show", SHOW) == []
 
 
 def test_the_work_pools_job_variables_are_the_tables() -> None:
@@ -200,7 +200,7 @@ def test_an_option_missing_anywhere_fails_every_comparison() -> None:
 
 def test_another_help_text_anywhere_fails_every_comparison_that_shows_help() -> None:
     table = tuple(replace(o, help="Nodes, however many.") if o.name == "nodes" else o for o in OPTIONS)
-    for found in (cli_differences(table, "submit"), cli_differences(table, "show", SHAPE), pool_differences(table),
+    for found in (cli_differences(table, "submit"), cli_differences(table, "show", SHOW), pool_differences(table),
                   page_differences(table)):
         assert any("nodes" in line for line in found), found
     assert sbatch_differences(table) == []  # sbatch's help names the spellings, not each option's text

@@ -16,6 +16,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, create_m
 
 from hpc_garage.core import site_values
 from hpc_garage.core.errors import SiteError
+from hpc_garage.core.container import ContainerSettings
 from hpc_garage.core.site import JobqueueSettings, Limits, MpiSettings, NodeShape, Site, WorkerLayout
 from hpc_garage.sites import fields, fields_gen, load_site
 from hpc_garage.sites import view as siteview
@@ -46,7 +47,7 @@ def test_fields_py_is_what_the_generator_writes_now() -> None:
 
 
 MODELS = {"site": Site, "node": NodeShape, "workers": WorkerLayout, "limits": Limits, "mpi": MpiSettings,
-          "jobqueue": JobqueueSettings}
+          "jobqueue": JobqueueSettings, "container": ContainerSettings}
 
 
 @pytest.mark.parametrize("key", list(MODELS))

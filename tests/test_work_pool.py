@@ -204,7 +204,7 @@ def test_the_run_form_is_submits_flags_with_the_sites_defaults() -> None:
     template = base_job_template("lab-gpu")
     form = template["variables"]["properties"]
     assert list(form) == ["env", "site", "nodes", "gpus_per_node", "cores_per_node", "mem", "time", "account", "qos",
-                          "job_name", "sweep", "resume", "scheduler_options"]
+                          "job_name", "sweep", "resume", "container", "scheduler_options"]
     assert form["site"]["default"] == "lab-gpu" and "lab-gpu: 4." in form["gpus_per_node"]["description"]
     assert set(template["job_configuration"]) == set(form)
     assert all(value == "{{ " + key + " }}" for key, value in template["job_configuration"].items())

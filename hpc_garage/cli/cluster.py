@@ -10,7 +10,7 @@ import click
 
 from hpc_garage.cli import options
 from hpc_garage.core.errors import UserError
-from hpc_garage.core.request_options import SHAPE
+from hpc_garage.core.request_options import SHOW
 from hpc_garage.variables import SITE_ENV, SYSFS_ROOT_ENV
 
 SHOW_JSON_INDENT_MAX = 1024  # workers above which `show --json` prints compact JSON
@@ -58,7 +58,7 @@ def sites(as_json: bool) -> None:
 
 @options.command(context_settings={"allow_interspersed_args": False},
                  exclusive=(("as_json", "as_script", "worker_script"),))
-@options.request_flags(SHAPE)
+@options.request_flags(SHOW)
 @click.option("--json", "as_json", is_flag=True, help="Print exactly one JSON object.")
 @click.option("--script", "as_script", is_flag=True, help="Print the job script `submit` would render instead.")
 @click.option("--worker-script", is_flag=True, help="Jobqueue sites: print each pool's worker job script.")
@@ -138,9 +138,11 @@ def _show_worker_scripts(site_name: str) -> None:
 @click.option("--sweep", help="The sweep this run belongs to (default: named after the site and COMMAND).")
 @click.option("--resume", is_flag=True, help="Continue the sweep's latest epoch: finished trials are read back.")
 @click.option("--sweep-epoch", type=click.IntRange(min=1), hidden=True)  # job scripts that `submit` writes
+@click.option("--container", "container", metavar="IMAGE",
+              help="Run inside this image (over the site's container.image; docs/how-to/containers.md).")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def run(site_name: str | None, insecure: bool, timeout: float, sweep: str | None, resume: bool,
-        sweep_epoch: int | None, command: tuple[str, ...]) -> None:
+        sweep_epoch: int | None, container: str | None, command: tuple[str, ...]) -> None:
     """Start a Dask cluster for this job, run COMMAND against it, tear it down.
 
     Inside a SLURM/PBS job the workers are MPI ranks across the allocation; elsewhere a local cluster shaped
@@ -156,6 +158,14 @@ def run(site_name: str | None, insecure: bool, timeout: float, sweep: str | None
     if path := os.environ.get(SECRETS_ENV):  # a deployment's job: its API's secrets, kept out of its script
         os.environ.update(read_secrets(path, SECRETS_ENV))
     site = site_for_run(site_name, os.environ)
+    if container:
+        from hpc_garage.sites import with_container
+
+        site = with_container(site, container)
+    if site.container is not None:  # `run` goes on inside the image (schedulers/container.py says why)
+        from hpc_garage.schedulers.container import enter
+
+        enter(site, sys.argv[1:])
     sys.exit(run_here(site, list(command), insecure=insecure, timeout=timeout, sweep=sweep, sweep_epoch=sweep_epoch,
                       resume=resume))
 

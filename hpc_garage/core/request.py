@@ -22,6 +22,7 @@ class Request:
     account: str | None = None
     qos: str | None = None
     job_name: str | None = None
+    container: str | None = None  # the image, over the site's container.image
     extra_directives: tuple[str, ...] = ()  # batch-system options passed through, without their prefix
 
     SHAPE = ("nodes", "gpus_per_node", "cores_per_node", "cores_per_worker", "memory", "gpu_type")

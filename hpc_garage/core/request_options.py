@@ -100,9 +100,13 @@ OPTIONS: tuple[RequestOption, ...] = (
                   ("--sweep",), ("--sweep",)),
     RequestOption("resume", "flag", "Continue the sweep's latest epoch: finished trials are read back, not run.",
                   ("--resume",), ("--resume",)),
+    RequestOption("container", "text", "Run the job's Python inside this image (a path or a reference, as the "
+                  "site's container runtime spells it; default: the site's container.image, if any).",
+                  ("--container",), ("--container",), "container", "Container image"),
     RequestOption("scheduler_options", "directives", "Other batch-system options, as the job script's directives "
                   "spell them, e.g. --constraint=a100 (`hpc-garage sbatch` takes them as options).", (), (),
                   "extra_directives", "Scheduler options"),
 )
 BY_NAME = {option.name: option for option in OPTIONS}
 SHAPE = ("site", "nodes", "gpus_per_node", "cores_per_node", "mem", "time")  # what `show` takes: a layout's inputs
+SHOW = (*SHAPE, "container")  # `show`'s request flags: the layout's inputs, and the image `--script` shows

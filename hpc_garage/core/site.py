@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from hpc_garage.core import site_values as _values
+from hpc_garage.core.container import ContainerSettings, check_gpus
 from hpc_garage.core.errors import SiteError
 from hpc_garage.core.site_errors import describe_validation_error
 from hpc_garage.core.site_values import NAME_PATTERN
@@ -184,6 +185,7 @@ class Site(_Strict):
     directives: list[str] = Field(default_factory=list)  # extra #SBATCH / #PBS options, e.g. --constraint=a100
     env: dict[str, str] = Field(default_factory=dict)  # exported to the rank launcher and every worker
     python: str | None = None  # interpreter inside jobs; default: the one that runs hpc-garage submit
+    container: ContainerSettings | None = None  # run the job's Python inside an image (docs/how-to/containers.md)
     mpi: MpiSettings = MpiSettings()
     jobqueue: JobqueueSettings = JobqueueSettings()  # launcher: jobqueue only
     pools: dict[Annotated[str, Field(pattern=NAME_PATTERN)], Pool] = Field(default_factory=dict)  # jobqueue: named pools, each overriding the site
@@ -209,6 +211,8 @@ class Site(_Strict):
         if self.pools and self.launcher != "jobqueue":
             raise ValueError("pools are for launcher: jobqueue; set launcher: jobqueue or remove pools")
         self._check_contradictions()
+        if self.container is not None:
+            check_gpus(self.container, self.container.runtime, self.node.gpu_vendor, self.node.gpus)
         if self.launcher == "jobqueue":
             self._check_jobqueue()
         return self

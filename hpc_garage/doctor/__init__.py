@@ -31,6 +31,15 @@ def doctor(site_name: str, *, job: bool, echo: Callable[[str], None], say: Calla
     for check in preflight(site):
         echo(check.line())
         failed += check.failed
+    if site.container is not None:  # the image the job runs in (doctor/container.py)
+        import os
+
+        from hpc_garage.doctor.checks import guarded
+        from hpc_garage.doctor.container import container_check
+
+        if (found := guarded("container", lambda: container_check(site, os.environ))) is not None:
+            echo(found.line())
+            failed += found.failed
     if job and failed:
         say(f"doctor: no job submitted: fix the {'problem' if failed == 1 else f'{failed} problems'} above first")
     elif job:

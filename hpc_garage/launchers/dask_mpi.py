@@ -245,8 +245,9 @@ class DaskMpiLauncher(Launcher):
         if via == "srun" and not in_slurm:
             raise UserError("mpi.via: srun, but this job is not a SLURM job; use via: mpiexec or auto")
         nodefile = batch.nodefile(self.env) if batch else None
-        python = self.layout.site.python or sys.executable
-        return dask_mpi_ranks(self.layout, [python, "-m", "hpc_garage.launchers.dask_mpi", str(ranks_file)],
+        from hpc_garage.schedulers.container import python_argv
+
+        return dask_mpi_ranks(self.layout, [*python_argv(self.layout.site), "-m", "hpc_garage.launchers.dask_mpi", str(ranks_file)],
                               in_slurm=in_slurm, nodefile=nodefile)
 
     async def prepare(self, tls: dict[str, str] | None, worker_env: dict[str, str], rundir: RunDir,

@@ -279,8 +279,9 @@ class MpiLauncher(Launcher):
         write_rank_file(ranks_file, self.layout, scheduler_file=rundir.dask_scheduler_file, tls=tls,
                         worker_env=worker_env, timeout=timeout, preload=worker_preload(worker_env))
         batch = for_allocation(self.layout.allocation)
-        python = self.layout.site.python or sys.executable
-        self.rank_argv = [python, "-m", "hpc_garage.launchers.mpi", str(ranks_file)]
+        from hpc_garage.schedulers.container import python_argv  # the site models: not in every node process
+
+        self.rank_argv = [*python_argv(self.layout.site), "-m", "hpc_garage.launchers.mpi", str(ranks_file)]
         self.launches = rank_commands(self.layout, self.rank_argv, in_slurm=bool(batch and batch.launches_ranks),
                                       nodefile=batch.nodefile(self.env) if batch else None)
         for launch in self.launches:

@@ -60,6 +60,9 @@ class JobSpec:
     sweep_epoch: int = 0
     warning_signal: str | None = None  # the site's SIG@SECONDS: the batch system warns the job before its end
     requeue: bool = False  # the site's `requeue: auto`: the job may be requeued (preemption) and continued
+    container: str = ""  # `--container IMAGE`: handed to `run`, over the site's container.image
+    container_python: str = ""  # the interpreter inside the image, which runs COMMAND (empty: no container)
+    container_line: str = ""  # the line `run` re-executes itself with inside the image, shown as a comment
 
     @property
     def sweep_args(self) -> list[str]:
@@ -93,6 +96,9 @@ def render(spec: JobSpec) -> str:
         sweep="".join(f" {shlex.quote(word)}" for word in spec.sweep_args),
         command=shlex.join([spec.script, *(_no_nul(a, "an argument") for a in spec.args)]),
         ranks=_ranks_comment(spec.ranks),
+        container=f" --container {shlex.quote(spec.container)}" if spec.container else "",
+        inner=shlex.quote(spec.container_python) if spec.container_python else '"$PY"',
+        container_note=_container_comment(spec.container_line),
     )
     directive_lines = "\n".join(f"{batch.directive_prefix} {d}" for d in directives)
     return _fill(batch.template, **values, directives=directive_lines, body=body.rstrip("\n"))
@@ -196,6 +202,17 @@ def _ranks_comment(line: str) -> str:
     return f"# `run` starts one dask-mpi rank per worker (RUN_DIR: the run directory of this job):\n#   {line}"
 
 
+def _container_comment(line: str) -> str:
+    """The line `run` enters the site's image with, as a comment (inert: one line, no control characters)."""
+    if not line:
+        return ""
+    if CONTROL.search(line):
+        raise UserError(f"the site's container settings make the runtime line {line!r} hold a newline or control "
+                        "character; fix container.image / binds / env")
+    return ("# `run` re-executes itself inside the site's image (the scheduler needs the image's modules), then "
+            f"runs COMMAND there:\n#   {line}")
+
+
 def driver_job_spec(site: Site, request: Request, *, script: str, args: Sequence[str], output: str,
                     error: str | None, workdir: str, python: str) -> tuple[JobSpec, Layout]:
     """The driver job of a jobqueue site: one small task that runs `hpc-garage run` (the scheduler and the
@@ -270,9 +287,20 @@ def _spec(
         script=script,
         args=tuple(args),
         ranks=ranks,
+        **_container_fields(site, request, workdir),
     )
     render(spec)
     return spec
+
+
+def _container_fields(site: Site, request: Request, workdir: str) -> dict[str, str]:
+    """The job's container, as `run` will enter it (the runtime this machine has, where the site says auto)."""
+    if site.container is None:
+        return {}
+    from hpc_garage.schedulers.container import entry_line
+
+    return {"container": request.container or "", "container_python": site.container.python,
+            "container_line": entry_line(site, workdir)}
 
 
 def _cores_for(site: Site, request: Request) -> int:

@@ -98,6 +98,7 @@ class SbatchCall:
     account: str | None = None
     qos: str | None = None
     job_name: str | None = None
+    container: str | None = None  # hpc-garage's own: the image over the site's (--container)
     output: str | None = None
     error: str | None = None
     passthrough: list[str] = field(default_factory=list)  # directive text, without `#SBATCH`
@@ -112,7 +113,7 @@ class SbatchCall:
             nodes=self.nodes, gpus_per_node=self.gpus_per_node, gpu_type=self.gpu_type,
             cores_per_worker=self.cores_per_worker, memory=self.memory, walltime=self.walltime,
             account=self.account, qos=self.qos, queue=self.partition, job_name=self.job_name,
-            extra_directives=tuple(self.passthrough),
+            container=self.container, extra_directives=tuple(self.passthrough),
         )
 
 
@@ -207,6 +208,7 @@ def _model(call: SbatchCall, v: dict[str, str]) -> None:
 
     call.site, call.account, call.qos, call.job_name = v.get("site"), v.get("account"), v.get("qos"), v.get("job_name")
     call.output, call.error, call.sweep = v.get("output"), v.get("error"), v.get("sweep")
+    call.container = v.get("container")
     if "partition" in v:
         if "," in v["partition"]:
             raise UserError(f"-p {v['partition']}: hpc-garage needs one partition (the site's node shape depends on it)")

@@ -34,4 +34,27 @@ def parse_site_file(path: Path) -> Site:
     """The validated site in this file; every problem is one SiteError line naming the file."""
     from hpc_garage.core.site import parse_site_dict
 
-    return parse_site_dict({**_files.read_site_file(path), "path": path}, origin=str(path))
+    site = parse_site_dict({**_files.read_site_file(path), "path": path}, origin=str(path))
+    if site.container is not None:
+        _files.check_container_paths(site.container, str(path))
+    return site
+
+
+def with_container(site: Site, image: str, origin: str = "--container") -> Site:
+    """The site with `image` as its container's (`--container IMAGE`, the `container` job variable): its own
+    runtime and settings kept, or `runtime: auto` where it has none; its pools too (jobqueue)."""
+    from hpc_garage.core.container import ContainerSettings
+
+    def moved(one: Site) -> Site:
+        base = one.container.model_dump() if one.container else {}
+        container = ContainerSettings.model_validate({**base, "image": image})
+        copy = one.model_copy(update={"container": container})
+        copy._raw = {**one._raw, "container": container.model_dump()}
+        return copy
+
+    if not image.strip():
+        raise _files.SiteError(f"{origin}: give an image (a path or a reference), not an empty value")
+    site_ = moved(site)
+    site_._pool_sites = {name: moved(pool) for name, pool in site._pool_sites.items()}
+    _files.check_container_paths(site_.container, origin)  # type: ignore[arg-type]
+    return site_

@@ -59,6 +59,7 @@ SECTIONS: dict[str, dict[str, Any]] = {
             {"name": "directives", "kind": "list[str]", "default": []},
             {"name": "env", "kind": "dict[str, str]", "default": {}},
             {"name": "python", "kind": "str", "optional": True, "default": None},
+            {"name": "container", "kind": "section", "optional": True, "default": None, "section": "container"},
             {
                 "name": "mpi",
                 "kind": "section",
@@ -132,6 +133,24 @@ SECTIONS: dict[str, dict[str, Any]] = {
             {"name": "max_nodes", "kind": "int", "optional": True, "default": None, "gt": 0},
             {"name": "max_walltime", "kind": "int", "optional": True, "default": None, "convert": "walltime", "gt": 0},
             {"name": "max_gpus_per_node", "kind": "int", "optional": True, "default": None, "ge": 0},
+        ],
+    },
+    "container": {
+        "model": "ContainerSettings",
+        "hooks": ["_plain"],
+        "excluded": [],
+        "fields": [
+            {
+                "name": "runtime",
+                "kind": "choice",
+                "default": "auto",
+                "choices": ["auto", "apptainer", "singularity", "pyxis", "podman", "charliecloud"],
+            },
+            {"name": "image", "kind": "str", "required": True, "pattern": "\\S"},
+            {"name": "binds", "kind": "list[str]", "default": []},
+            {"name": "env", "kind": "dict[str, str]", "default": {}},
+            {"name": "python", "kind": "str", "default": "python3", "pattern": "\\S"},
+            {"name": "gpus", "kind": "choice", "default": "auto", "choices": ["auto", "none"]},
         ],
     },
     "mpi": {

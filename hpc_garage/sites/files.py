@@ -10,13 +10,16 @@ import os
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from hpc_garage.core.errors import SiteError
 from hpc_garage.core.site_values import NAME_PATTERN  # noqa: F401 (API)
 from hpc_garage.variables import SITES_PATH_ENV
+
+if TYPE_CHECKING:
+    from hpc_garage.core.container import ContainerSettings
 
 
 # ---------------------------------------------------------------------------------------------- finding
@@ -121,3 +124,18 @@ def read_site_file(path: Path) -> dict[str, Any]:
         raise SiteError(f"{path}: expected a mapping of keys (scheduler:, node:, ...), got {type(data).__name__}")
     data.setdefault("name", path.stem)
     return data
+
+
+def check_container_paths(container: ContainerSettings, origin: str) -> None:
+    """A container's image file and binds must exist where the site is read (login and compute nodes share
+    them): refused in one line now, not as a runtime's error in the job log. Paths with variables ($TMPDIR)
+    expand on the node, so they are left to the runtime."""
+    if container.image_is_path and "$" not in container.image \
+            and not Path(container.image).expanduser().exists():
+        raise SiteError(f"{origin}: container.image: {container.image!r} does not exist; build or copy the image "
+                        "there, or give the path of one that does (docs/how-to/containers.md)")
+    for bind in container.binds:
+        source = bind.split(":", 1)[0]
+        if "$" not in source and not Path(source).expanduser().exists():
+            raise SiteError(f"{origin}: container.binds: {source!r} does not exist on this machine; create it or "
+                            "drop the bind")

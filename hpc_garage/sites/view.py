@@ -36,7 +36,7 @@ REQUIRED = object()
 # The model validators (and serializers, computed fields) the view mirrors, per section: `view()` repeats
 # Site._consistent's checks for mpi sites, and Site._pools_merged does nothing more where there are no pools.
 # A section with a hook not named here is pydantic's alone: given in a file, pydantic loads the site.
-MIRRORED = {"site": {"_consistent", "_pools_merged"}}
+MIRRORED = {"site": {"_consistent", "_pools_merged"}, "container": {"_plain"}}  # a container: never vouched for
 TRUSTED = {key for key, section in fields.SECTIONS.items() if set(section["hooks"]) <= MIRRORED.get(key, set())}
 
 
@@ -170,6 +170,8 @@ def view(data: dict[str, Any], path: Path | None = None) -> SiteView:
     if "site" not in TRUSTED:
         raise _Unsure  # Site has a validator the view does not mirror: see MIRRORED
     raw = {k: v for k, v in data.items() if k not in EXCLUDED}
+    if raw.get("container") is not None:
+        raise _Unsure  # a container: its checks (ContainerSettings._plain, the GPU vendor, its paths) are pydantic's
     values = _fields("site", raw)
     node, workers, limits = values["node"], values["workers"], values["limits"]
     # Site._consistent's checks: a site failing one goes to pydantic, which words the error

@@ -48,7 +48,9 @@ def job_kwargs(shape: JobShape, *, plan_file: str, log_dir: str, job_name: str,
     from hpc_garage.schedulers.jobscript import directive, plain
 
     site, jq = shape.site, shape.site.jobqueue
-    python = python or (os.path.expanduser(site.python) if site.python else sys.executable)
+    from hpc_garage.schedulers.container import python_argv
+
+    argv = [python] if python else python_argv(site)  # inside the site's image, where it has one
     common: dict[str, Any] = {
         "cores": shape.cores,
         "memory": shape.memory,
@@ -57,7 +59,7 @@ def job_kwargs(shape: JobShape, *, plan_file: str, log_dir: str, job_name: str,
         "worker_memory_limit": shape.layout.workers[0].memory_limit,
         "job_name": plain(job_name, "worker job name"),
         "walltime": format_walltime(shape.walltime),
-        "python": shlex.quote(python),
+        "python": shlex.join(argv),
         "worker_command": WORKER_MODULE,
         "worker_extra_args": ["--hpc-garage-worker-file", shlex.quote(plan_file)],
         "death_timeout": jq.death_timeout,

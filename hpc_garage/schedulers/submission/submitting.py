@@ -70,6 +70,10 @@ def prepare(
     from hpc_garage.sites import load_site
 
     site = load_site(site_name)
+    if request.container:
+        from hpc_garage.sites import with_container
+
+        site = with_container(site, request.container)
     batch = get(site.scheduler)
     if not batch.takes_jobs:
         raise UserError(
