@@ -41,22 +41,23 @@ def slurm_reachable() -> str | None:
 SERVER_FIXTURES = {"api", "cluster", "runner"}  # a Prefect server, a Dask cluster (below)
 
 
-# `scripts/test` (no arguments) runs the SLURM tests in four shards side by side, each on a cluster of its own
-# (shards 2-4 reached through SLURM_CONF); $HPC_GARAGE_SLURM_SHARD picks one. A test goes to the shard of the
+# `scripts/test` (no arguments) runs the SLURM tests in five shards side by side, each on a cluster of its own
+# (shards 2-5 reached through SLURM_CONF); $HPC_GARAGE_SLURM_SHARD picks one. A test goes to the shard of the
 # longest key here that its node id starts with (a module, or one test or parameter of it); the rest to shard 1,
 # the default cluster, whose node names (node1, node2) some tests assert. Balanced by the durations CI printed
 # (--durations): about 20 minutes each, `other` included.
 SHARDS = {"test_long_trials.py": "2", "test_pruning_sweep.py": "2", "test_prefect_api.py": "2", "test_doctor.py": "2",
-          "test_work_pool.py": "3", "test_jobqueue_slurm.py": "3", "test_bench.py": "3",
-          "test_docs.py": "4", "test_durable.py": "4"}
+          "test_work_pool.py": "3", "test_bench.py": "3",
+          "test_docs.py": "4", "test_durable.py": "4",
+          "test_tuning_search.py": "5", "test_container_slurm.py": "5", "test_jobqueue_slurm.py": "5"}
 QUICK_BENCH = "test_bench.py::test_quick_bench_runs_every_benchmark"
 SHARDS |= {f"{QUICK_BENCH}[{name}]": shard for shard, names in
            {"1": ("cli",), "2": ("faults", "trials", "pruning"), "3": ("ui", "packing"),
-            "4": ("overhead", "reports", "startup", "deployment")}.items() for name in names}
-# Tests without SLURM run in the fifth process, `other`, but for these: slow ones that fit beside a shard's
+            "4": ("overhead", "reports"), "5": ("startup", "deployment")}.items() for name in names}
+# Tests without SLURM run in the sixth process, `other`, but for these: slow ones that fit beside a shard's
 # waiting (each its own Prefect server or cluster, so that where they run does not matter)
 BESIDE_SHARDS = {"test_prefect_server_idle.py": "1", "test_prefect_server_sweeps.py": "4"}
-SHARD_ENV = "HPC_GARAGE_SLURM_SHARD"  # 1-4: that shard's SLURM tests and the others BESIDE_SHARDS gives it;
+SHARD_ENV = "HPC_GARAGE_SLURM_SHARD"  # 1-5: that shard's SLURM tests and the others BESIDE_SHARDS gives it;
                                       # `other`: the tests without SLURM, but those; unset: all
 
 

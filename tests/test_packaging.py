@@ -38,7 +38,7 @@ def test_every_shard_key_names_a_test_module_or_a_quick_benchmark() -> None:
         assert (tests / module).is_file(), key
         if key.startswith(QUICK_BENCH):
             assert key.split("[")[1].rstrip("]") in QUICK, key
-        assert shard_of(f"tests/{key}") == shard and shard in ("2", "3", "4") + ("1",) * key.startswith(QUICK_BENCH)
+        assert shard_of(f"tests/{key}") == shard and shard in ("2", "3", "4", "5") + ("1",) * key.startswith(QUICK_BENCH)
     assert shard_of("tests/test_e2e.py::test_x") == "1"  # the default cluster, whose node names tests assert
     from tests.conftest import BESIDE_SHARDS
 
