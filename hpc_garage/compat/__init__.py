@@ -25,12 +25,13 @@ from hpc_garage.compat.prefect import (before_exit_drains, cache_policy_unset, c
                                        has_context_vars, has_deployment_context, keep_flow_states, queued_log,
                                        rebuild_context_models, stretch_no_tag_limits_cache, tag_limits_survive_outages,
                                        take_queued, unconfirmed_events)
-from hpc_garage.compat.prefect_dask import dask_futures, runner_has_cluster, runner_started
+from hpc_garage.compat.prefect_dask import (dask_futures, release_future, releasing_future_class, runner_has_cluster,
+                                            runner_started)
 
 __all__ = ["USES", "VERIFIED", "CompatError", "Use", "attached_spec_cluster", "before_exit_drains", "executing_now",
            "cache_policy_unset", "context_var", "correct_state", "dask_futures", "deployment_context",
            "has_context_vars", "has_deployment_context", "hold_pause", "hooked_job", "in_range", "installed_versions",
            "keep_flow_states", "main", "newest_release", "pause_workers", "queued_log", "rebuild_context_models",
-           "registry_releases", "release_news", "replace_valid_workers", "run_on_workers", "runner_has_cluster",
+           "registry_releases", "release_future", "release_news", "releasing_future_class", "replace_valid_workers", "run_on_workers", "runner_has_cluster",
            "runner_started", "scheduler_at", "skip_forkserver_optional_preload", "stretch_no_tag_limits_cache",
            "tag_limits_survive_outages", "take_queued", "unconfirmed_events", "uses", "uses_outside_range", "version"]

@@ -1,7 +1,8 @@
-"""prefect-dask's private names: what a DaskTaskRunner holds."""
+"""prefect-dask's private names: what a DaskTaskRunner holds, and a PrefectDaskFuture's Dask future."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from hpc_garage.compat.versions import uses
@@ -19,7 +20,49 @@ def runner_has_cluster(runner: Any) -> bool:
     return runner._cluster is not None
 
 
-@uses("prefect-dask", "DaskTaskRunner._optimize_futures")
 def dask_futures(runner: Any, values: Any) -> Any:
-    """`values` with every PrefectDaskFuture replaced by its dask future, as prefect-dask submits them."""
-    return runner._optimize_futures(values)
+    """`values` with every PrefectDaskFuture replaced by its dask future, as prefect-dask submits them
+    (`DaskTaskRunner._optimize_futures`); a released one (prefect/in_flight.py) by its final State, which
+    Prefect's engine resolves to its result and records as the upstream task run."""
+    from prefect.utilities.collections import visit_collection
+
+    return visit_collection(values, visit_fn=in_dask, return_data=True)
+
+
+@uses("prefect-dask", "PrefectDaskFuture._wrapped_future / _final_state (prefect's PrefectWrappedFuture)")
+def in_dask(value: Any) -> Any:
+    """What stands for a Prefect future among a task's arguments: its Dask future, or its final State."""
+    from prefect_dask.task_runners import PrefectDaskFuture
+
+    if isinstance(value, PrefectDaskFuture):
+        wrapped = value._wrapped_future
+        return wrapped if wrapped is not None else value._final_state
+    return value
+
+
+@uses("prefect-dask", "PrefectDaskFuture._wrapped_future / _final_state (prefect's PrefectWrappedFuture)")
+def release_future(future: Any, state: Any) -> None:
+    """Keep `future`'s final State and drop its Dask future (the scheduler and worker then forget the task).
+    The state goes first: a reader that finds no Dask future finds the state."""
+    future._final_state = state
+    future._wrapped_future = None
+
+
+@functools.cache
+def releasing_future_class() -> type:
+    """PrefectDaskFuture, for a future `release_future` may release: its wait() and result() use the final
+    State once the Dask future is gone (prefect-dask's would call the missing Dask future)."""
+    from prefect_dask.task_runners import PrefectDaskFuture
+
+    class ReleasingFuture(PrefectDaskFuture):  # type: ignore[misc, valid-type]
+        @uses("prefect-dask", "PrefectDaskFuture._wrapped_future / _final_state")
+        def wait(self, timeout: float | None = None) -> None:
+            if self._final_state is None and self._wrapped_future is not None:
+                super().wait(timeout)
+
+        @property
+        @uses("prefect-dask", "PrefectDaskFuture._wrapped_future")
+        def released(self) -> bool:
+            return self._wrapped_future is None
+
+    return ReleasingFuture

@@ -1,0 +1,238 @@
+"""A flow's tasks in bounded memory, however many it submits (issue 32).
+
+Why. prefect-dask hands every submitted task to the scheduler at once and keeps each finished task's Dask
+future for as long as the flow holds its Prefect future (a `.map` over 100,000 trials: all of them). The
+scheduler then holds every task (~50 KB each: its arguments, Prefect's context) and each worker every result it
+computed: 100,000 trivial trials took 6 GB in the scheduler and 7 GB in two workers.
+
+What this module does, with every trial still one Prefect task run that Prefect's engine runs and records:
+- back-pressure (`InFlight`): before each submission the flow's thread waits while `limit` of the runner's
+  tasks are unfinished in Dask. `task_runner(max_in_flight=N)` sets it; the default is sized to the
+  workers (PER_THREAD per worker thread, at least MINIMUM), re-asked as workers join;
+- release (`Releaser`): a finished task whose result Prefect persists (under `hpc-garage run`, the sweep's
+  results directory, sweep_cache.py) is gathered as its final State, and its Dask future dropped, so the
+  scheduler and its worker forget it. The worker sends the State with the result's record metadata in place
+  of the value (`run_released`): the value stays in the results store, and `.result()` reads it back from
+  there (Prefect's own path for a State that came from its API). A task whose result is not persisted keeps
+  its Dask future, as under prefect-dask: its result lives nowhere else.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from typing import Any, Callable
+
+from hpc_garage.compat import release_future, releasing_future_class
+from hpc_garage.core.errors import UserError
+from hpc_garage.prefect import fast as prefect_fast
+
+__all__ = ["InFlight", "Releaser", "ReleasingFuture", "read_back", "check_limit", "default_limit", "releases", "run_released", "when_done"]
+
+MINIMUM = 1000  # tasks in flight at least: ~50 MB in the scheduler; enough queued for an adaptive pool to grow on
+PER_THREAD = 4  # tasks in flight per worker thread: each has its next task queued beside it
+RECHECK = 2.0  # s between asks for the workers' threads while the flow waits at the default limit
+BATCH = 1000  # finished tasks gathered in one call
+
+logger = logging.getLogger(__name__)
+
+
+def check_limit(value: Any) -> int | None:
+    """`task_runner(max_in_flight=...)`: a positive whole number, or None for the default; else one line."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UserError(f"task_runner(max_in_flight={value!r}): give a whole number of tasks, at least 1 "
+                        f"(or leave it out: {PER_THREAD} per worker thread, at least {MINIMUM})")
+    return value
+
+
+def default_limit(threads: int) -> int:
+    return max(MINIMUM, PER_THREAD * threads)
+
+
+class InFlight:
+    """How many of a runner's tasks are unfinished in Dask, and the wait that keeps it under the limit."""
+
+    def __init__(self, limit: int | None, threads: Callable[[], int], clock: Callable[[], float] = time.monotonic):
+        self._fixed, self._threads, self._clock = limit, threads, clock
+        self._limit: int | None = limit
+        self._asked = -RECHECK
+        self._count = 0
+        self.peak = 0  # the most unfinished at once (tests, the bench)
+        self._cond = threading.Condition()
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+    def limit(self) -> int:
+        """The limit now: the given one, else sized to the workers (asked at most every RECHECK s)."""
+        if self._fixed is not None:
+            return self._fixed
+        now = self._clock()
+        if self._limit is None or now - self._asked >= RECHECK:
+            self._asked = now
+            try:
+                self._limit = default_limit(self._threads())
+            except Exception as exc:  # noqa: BLE001 - a scheduler busy answering: keep the last limit
+                logger.debug("workers' threads unknown (%s): keeping %s in flight", exc, self._limit)
+                self._limit = self._limit or MINIMUM
+        return self._limit
+
+    def admit(self) -> None:
+        """Wait (the flow's thread) until one more task may be in flight, and count it."""
+        with self._cond:
+            while self._count >= self.limit():
+                self._cond.wait(RECHECK)
+            self._count += 1
+            self.peak = max(self.peak, self._count)
+
+    def cancel(self) -> None:
+        """A task admitted but never submitted (its submission raised)."""
+        self.finished()
+
+    def finished(self) -> None:
+        """One task left Dask's unfinished ones (Dask's callback thread)."""
+        with self._cond:
+            self._count -= 1
+            self._cond.notify()
+
+
+class ReleasingFuture(releasing_future_class()):  # type: ignore[misc]
+    """The runner's Prefect future: once released, `.result()` reads the value back from the results store."""
+
+    def result(self, timeout: float | None = None, raise_on_failure: bool = True) -> Any:
+        if self.released:
+            found = read_back(self.state)
+            if found is not NOTHING:
+                return found
+        return super().result(timeout=timeout, raise_on_failure=raise_on_failure)
+
+
+NOTHING = object()
+
+
+def read_back(state: Any) -> Any:
+    """A Completed state's value from the file its record metadata names, read as Prefect's ResultStore reads an
+    unsaved local file system's (ResultStore._from_metadata); NOTHING where that is not the case, or the read
+    fails (Prefect's own path then reads it, with its retries). Prefect's path costs ~9 ms a result (a store and
+    a file-system block built, an event loop crossed); this one a file read."""
+    from pathlib import Path
+
+    from prefect.results import ResultRecord, ResultRecordMetadata
+
+    data = state.data
+    if not (state.is_completed() and isinstance(data, ResultRecordMetadata) and data.storage_block_id is None
+            and data.storage_key and Path(data.storage_key).is_absolute()):
+        return NOTHING
+    try:
+        return ResultRecord.deserialize(Path(data.storage_key).read_bytes(), backup_serializer=data.serializer).result
+    except Exception as exc:  # noqa: BLE001 - Prefect's own path decides, with its retries
+        logger.debug("reading %s back: %s", data.storage_key, exc)
+        return NOTHING
+
+
+class Releaser:
+    """Gathers finished tasks' final States (a thread of its own, BATCH at a time) and drops their Dask futures."""
+
+    def __init__(self, client: Callable[[], Any]) -> None:
+        self._client = client  # the runner's Dask client, once it has one
+        self._queue: deque[Any] = deque()
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.released = 0
+
+    def finished(self, future: Any) -> None:
+        """A persisted task's Dask future is done (Dask's callback thread: only enqueues)."""
+        with self._cond:
+            if self._closed:
+                return
+            self._queue.append(future)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="hpc-garage-release", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Release what is queued, then stop (the flow's end, while the client lives)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                batch = [self._queue.popleft() for _ in range(min(BATCH, len(self._queue)))]
+            self._release(batch)
+
+    def _release(self, batch: list[Any]) -> None:
+        wrapped = [f.wrapped_future for f in batch]
+        try:
+            states = self._client().gather(wrapped, errors="raise")
+        except Exception as exc:  # noqa: BLE001 - a lost worker, a closing client: those keep their futures
+            logger.debug("releasing %d finished tasks: %s", len(batch), exc)
+            return
+        for future, state in zip(batch, states):
+            if _is_state(state):
+                release_future(future, state)
+                self.released += 1
+
+
+def when_done(future: Any, gate: InFlight, finished: list[Any], releaser: Releaser | None,
+              metrics: Any) -> Callable[[Any], None]:
+    """The one callback (Dask's callback thread) a submitted task's Dask future gets: out of the gate, its run
+    id noted as finished (the runner waits for Prefect to record those), released, and its end to `metrics`
+    (prefect/metrics.py: trials.json, the pruner)."""
+    run_id = future.task_run_id
+    hex_id = run_id.hex if hasattr(run_id, "hex") else str(run_id)
+    if metrics is not None:
+        metrics.submitted(hex_id)
+
+    def done(dask_future: Any) -> None:
+        gate.finished()
+        if dask_future.status == "finished":
+            finished.append(run_id)
+            if releaser is not None:
+                releaser.finished(future)
+        if metrics is not None:
+            metrics.ended(hex_id, dask_future)
+
+    return done
+
+
+def _is_state(value: Any) -> bool:
+    from prefect.client.schemas.objects import State
+
+    return isinstance(value, State)
+
+
+def releases(task: Any) -> bool:
+    """Whether a task's finished runs can leave Dask: Prefect persists its result, so `.result()` reads it back."""
+    return task.persist_result is True
+
+
+def run_released(**kwargs: Any) -> Any:
+    """prefect_fast.run_task, returning the final State with a persisted result's record metadata in place of
+    the record (the value stays in the results store, not in the worker's memory nor on the wire)."""
+    state = prefect_fast.run_task(**kwargs)
+    return compact(state)
+
+
+def compact(state: Any) -> Any:
+    """A Completed State whose result was persisted, as the flow needs it: the metadata that finds the value."""
+    from prefect.results import ResultRecord
+
+    if _is_state(state) and state.is_completed() and isinstance(state.data, ResultRecord):
+        return state.model_copy(update={"data": state.data.metadata})
+    return state
