@@ -1,0 +1,224 @@
+"""prefect/in_flight.py: the back-pressure on a flow's submissions and the release of finished persisted tasks
+(issue 32). No cluster, no server: the gate's arithmetic, the releaser against a stand-in client, the worker's
+compact state and the read back from the results store."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from typing import Any
+
+import pytest
+
+from hpc_garage.core.errors import UserError
+from hpc_garage.prefect import in_flight
+from hpc_garage.prefect.in_flight import (MINIMUM, PER_THREAD, InFlight, Releaser, ReleasingFuture, check_limit,
+                                          compact, default_limit, read_back, releases, when_done)
+
+
+def test_limit_given_is_checked_in_one_line() -> None:
+    assert check_limit(None) is None
+    assert check_limit(5) == 5
+    for bad in (0, -3, 2.5, "100", True):
+        with pytest.raises(UserError, match=r"task_runner\(max_in_flight=.*at least 1"):
+            check_limit(bad)
+
+
+def test_runner_refuses_a_bad_limit_at_construction() -> None:
+    from hpc_garage.prefect.task_runner import HpcTaskRunner
+
+    with pytest.raises(UserError, match="max_in_flight=0"):
+        HpcTaskRunner(address="tcp://127.0.0.1:1", max_in_flight=0)
+    runner = HpcTaskRunner(address="tcp://127.0.0.1:1", max_in_flight=7)
+    assert runner.duplicate().max_in_flight == 7  # Prefect enters a duplicate per flow run
+
+
+def test_default_limit_is_sized_to_the_workers() -> None:
+    assert default_limit(0) == MINIMUM
+    assert default_limit(2) == MINIMUM
+    assert default_limit(1024) == PER_THREAD * 1024
+
+
+def test_admit_waits_at_the_limit_until_a_task_finishes() -> None:
+    gate = InFlight(3, threads=lambda: 0)
+    for _ in range(3):
+        gate.admit()
+    assert gate.count == 3
+    admitted = threading.Event()
+    waiter = threading.Thread(target=lambda: (gate.admit(), admitted.set()))
+    waiter.start()
+    assert not admitted.wait(0.3), "a fourth task was admitted past the limit of 3"
+    gate.finished()
+    assert admitted.wait(5), "a finished task did not let the next one in"
+    waiter.join()
+    assert (gate.count, gate.peak) == (3, 3)
+    gate.cancel()  # a submission that raised gives its place back
+    assert gate.count == 2
+
+
+def test_bound_holds_with_many_submitters_and_finishers() -> None:
+    """Submissions (one thread, as Prefect's map) against completions (another, as Dask's callback thread): the
+    count never passes the limit and ends at zero."""
+    gate, n = InFlight(5, threads=lambda: 0), 2000
+    done: list[int] = []
+    pending: list[int] = []
+    lock = threading.Lock()
+
+    def finisher() -> None:
+        while len(done) < n:
+            with lock:
+                item = pending.pop(0) if pending else None
+            if item is None:
+                time.sleep(0)
+                continue
+            done.append(item)
+            gate.finished()
+
+    thread = threading.Thread(target=finisher)
+    thread.start()
+    for i in range(n):
+        gate.admit()
+        assert gate.count <= 5
+        with lock:
+            pending.append(i)
+    thread.join(30)
+    assert (len(done), gate.count, gate.peak) == (n, 0, 5)
+
+
+def test_default_limit_is_asked_again_as_workers_join() -> None:
+    now, threads = [0.0], [1]
+    gate = InFlight(None, threads=lambda: threads[0], clock=lambda: now[0])
+    assert gate.limit() == MINIMUM
+    threads[0] = 1000
+    assert gate.limit() == MINIMUM  # not asked again within RECHECK
+    now[0] += in_flight.RECHECK
+    assert gate.limit() == PER_THREAD * 1000
+
+    def failing() -> int:
+        raise OSError("scheduler busy")
+
+    gate = InFlight(None, threads=failing)
+    assert gate.limit() == MINIMUM  # a scheduler that does not answer: the minimum, not a crash
+
+
+class FakeDaskFuture:
+    def __init__(self, value: Any, status: str = "finished") -> None:
+        self.value, self.status = value, status
+
+
+class FakeClient:
+    def __init__(self, fail: bool = False) -> None:
+        self.fail, self.calls = fail, 0
+
+    def gather(self, futures: list[FakeDaskFuture], errors: str = "raise") -> list[Any]:
+        self.calls += 1
+        if self.fail:
+            raise OSError("worker lost")
+        return [f.value for f in futures]
+
+
+def completed(value: Any, tmp_path: Any) -> tuple[Any, Any]:
+    """A Completed state as Prefect's engine returns it with a persisted result, and its compact form."""
+    from prefect.filesystems import LocalFileSystem
+    from prefect.results import ResultStore
+    from prefect.states import Completed
+
+    store = ResultStore(result_storage=LocalFileSystem(basepath=str(tmp_path)))
+    record = store.create_result_record(value, key=uuid.uuid4().hex)
+    store.persist_result_record(record)
+    full = Completed(data=record)
+    return full, compact(full)
+
+
+def test_worker_sends_the_record_metadata_not_the_value(tmp_path: Any) -> None:
+    from prefect.results import ResultRecordMetadata
+    from prefect.states import Completed, Failed
+
+    full, small = completed(list(range(1000)), tmp_path)
+    assert isinstance(small.data, ResultRecordMetadata)
+    assert small.type == full.type and small.id == full.id
+    assert read_back(small) == list(range(1000))
+    assert small.result() == list(range(1000))  # Prefect's own path reads the same
+    failed = Failed(message="boom")
+    assert compact(failed) is failed
+    plain = Completed(data=3)  # not a persisted record: as it is
+    assert compact(plain) is plain and read_back(plain) is in_flight.NOTHING
+
+
+def test_read_back_falls_back_to_prefect_when_the_file_is_gone(tmp_path: Any) -> None:
+    _, small = completed(5, tmp_path)
+    from pathlib import Path
+
+    Path(small.data.storage_key).unlink()
+    assert read_back(small) is in_flight.NOTHING
+
+
+def test_releaser_drops_the_dask_future_and_result_reads_the_store(tmp_path: Any) -> None:
+    from hpc_garage.compat import dask_futures
+
+    _, small = completed({"loss": 0.5}, tmp_path)
+    client = FakeClient()
+    releaser = Releaser(lambda: client)
+    future = ReleasingFuture(task_run_id=uuid.uuid4(), wrapped_future=FakeDaskFuture(small))
+    assert not future.released
+    assert dask_futures(None, {"x": future})["x"] is future.wrapped_future  # still in Dask: its Dask future
+    releaser.finished(future)
+    releaser.close()
+    assert future.released and releaser.released == 1 and client.calls == 1
+    assert future.result() == {"loss": 0.5}
+    future.wait()  # no Dask future to wait on: returns
+    assert future.state.is_completed()
+    assert dask_futures(None, {"x": [future]})["x"][0] is future.state  # downstream: the State, Prefect resolves it
+
+
+def test_releaser_keeps_futures_it_cannot_gather(tmp_path: Any) -> None:
+    _, small = completed(1, tmp_path)
+    releaser = Releaser(lambda: FakeClient(fail=True))
+    future = ReleasingFuture(task_run_id=uuid.uuid4(), wrapped_future=FakeDaskFuture(small))
+    releaser.finished(future)
+    releaser.close()
+    assert not future.released and releaser.released == 0
+
+
+def test_releaser_gathers_in_batches(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(in_flight, "BATCH", 10)
+    _, small = completed(1, tmp_path)
+    client = FakeClient()
+    releaser = Releaser(lambda: client)
+    futures = [ReleasingFuture(task_run_id=uuid.uuid4(), wrapped_future=FakeDaskFuture(small)) for _ in range(35)]
+    with releaser._cond:  # all queued before the thread runs: 4 gathers, not 35
+        for f in futures:
+            releaser._queue.append(f)
+    releaser.finished(ReleasingFuture(task_run_id=uuid.uuid4(), wrapped_future=FakeDaskFuture(small)))
+    releaser.close()
+    assert releaser.released == 36 and client.calls == 4
+
+
+def test_when_done_counts_out_notes_and_releases(tmp_path: Any) -> None:
+    _, small = completed(1, tmp_path)
+    gate, finished, queued = InFlight(2, threads=lambda: 0), [], []
+    gate.admit()
+    gate.admit()
+
+    class Queue:
+        def finished(self, future: Any) -> None:
+            queued.append(future)
+
+    ok = ReleasingFuture(task_run_id=uuid.uuid4(), wrapped_future=FakeDaskFuture(small))
+    when_done(ok, gate, finished, Queue(), None)(ok.wrapped_future)  # type: ignore[arg-type]
+    lost = ReleasingFuture(task_run_id=uuid.uuid4(), wrapped_future=FakeDaskFuture(None, status="error"))
+    when_done(lost, gate, finished, Queue(), None)(lost.wrapped_future)  # type: ignore[arg-type]
+    assert gate.count == 0 and finished == [ok.task_run_id] and queued == [ok]
+
+
+def test_only_persisted_tasks_are_released() -> None:
+    from prefect import task
+
+    @task
+    def trial(i: int) -> int:
+        return i
+
+    assert not releases(trial)
+    assert releases(trial.with_options(persist_result=True))
+    assert not releases(trial.with_options(persist_result=False))
