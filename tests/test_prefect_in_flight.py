@@ -222,3 +222,62 @@ def test_only_persisted_tasks_are_released() -> None:
     assert not releases(trial)
     assert releases(trial.with_options(persist_result=True))
     assert not releases(trial.with_options(persist_result=False))
+
+
+@pytest.mark.slow
+def test_a_sweep_stays_within_its_bound_and_every_trial_is_a_task_run(
+        api: dict[str, str], cluster: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """2,000 trials written as a user writes them (`.map`, then `.result()` each) under a sweep's results store,
+    with max_in_flight=20: the scheduler never holds more than 20 unfinished, finished ones leave it (their
+    results read back from the store), every result is right and every trial is one Prefect task run."""
+    from distributed import Client
+    from prefect import flow, task
+    from prefect.client.orchestration import get_client
+    from prefect.context import FlowRunContext
+
+    import hpc_garage
+    from hpc_garage.variables import RESULTS_ENV, SWEEP_ENV
+
+    monkeypatch.setenv(SWEEP_ENV, "in-flight-test@1")  # as `hpc-garage run` exports them
+    monkeypatch.setenv(RESULTS_ENV, str(tmp_path))
+    n, limit = 2000, 20
+    seen = {"unfinished": 0, "held": 0}
+    stop = threading.Event()
+
+    def sample() -> None:
+        with Client(cluster.scheduler_address) as client:
+            while not stop.is_set():
+                unfinished, held = client.run_on_scheduler(lambda dask_scheduler: (
+                    sum(ts.state not in ("memory", "released", "forgotten", "erred")
+                        for ts in dask_scheduler.tasks.values()), len(dask_scheduler.tasks)))
+                seen["unfinished"], seen["held"] = max(seen["unfinished"], unfinished), max(seen["held"], held)
+                time.sleep(0.05)
+
+    @task
+    def trial(i: int) -> int:
+        return 2 * i
+
+    @flow(task_runner=hpc_garage.task_runner(address=cluster.scheduler_address, max_in_flight=limit))
+    def sweep(n: int) -> tuple[list[int], str, int, int]:
+        futures = trial.map(range(n))
+        values = [f.result() for f in futures]
+        context = FlowRunContext.get()
+        runner = context.task_runner
+        released = sum(f.released for f in futures)
+        return values, str(context.flow_run.id), runner._in_flight.peak, released
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        values, flow_run_id, peak, released = sweep(n)
+    finally:
+        stop.set()
+        sampler.join(10)
+    assert values == [2 * i for i in range(n)]
+    assert peak == limit and seen["unfinished"] <= limit, seen
+    assert released >= n - in_flight.BATCH  # finished trials left Dask (the last batch may still be on its way)
+    assert seen["held"] <= limit + in_flight.BATCH < n, seen  # not every trial at once: what was in flight
+    with get_client(sync_client=True) as client:
+        body = {"flow_runs": {"id": {"any_": [flow_run_id]}}}
+        count = client.request("POST", "/task_runs/count", json=body).json()
+    assert count == n
