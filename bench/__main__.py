@@ -11,6 +11,8 @@
     python -m bench --only deployment   a deployment run on an `hpc-garage` work pool against `submit`
     python -m bench --only pruning  issue 25's pruned sweep on SLURM (none, ASHA, median) against Ray Tune's ASHA
     python -m bench --only reports  what 10,000 `trial.report()` calls per trial cost, and the scheduler meanwhile
+    python -m bench --only scale    1,000-100,000 trials in one flow under `hpc-garage run --site local` (issue 32;
+                                    not in --quick's default set; --scale-sizes sets the sizes)
     python -m bench --only workers  128-1,024 TLS workers on one scheduler, then 50,000 tasks over them for 10
                                     minutes (not in --quick; --worker-tasks/--worker-hold scale the run down)
 
@@ -37,7 +39,7 @@ from bench.report import store_run, write_index, write_reports
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ORDER = ("cli", "overhead", "faults", "trials", "reports", "ui", "packing", "pruning", "startup", "deployment",
-         "scaling", "workers")
+         "scaling", "workers", "scale")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,13 +52,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker-tasks", type=int, default=50_000, help="the workers benchmark's tasks (issue 32)")
     parser.add_argument("--worker-hold", type=int, default=600, help="the workers benchmark's task run, seconds at least")
     parser.add_argument("--worker-sizes", default="128,256,512,1024", help="the workers benchmark's cluster sizes")
+    parser.add_argument("--scale-sizes", default="1000,10000,100000", help="the scale benchmark's trial counts")
     parser.add_argument("--worker-task-sizes", default="", help="sizes the tasks run at (default: the largest)")
     args = parser.parse_args(argv)
     runs = args.runs or (1 if args.quick else 5)
     out = args.out or (Path(tempfile.mkdtemp(prefix="hpc-garage-bench-quick-")) if args.quick else RESULTS)
     out.mkdir(parents=True, exist_ok=True)
     chosen = [b for b in ORDER if (not args.only or b in args.only.split(","))
-              and not (args.quick and b in ("scaling", "workers"))]  # not in --quick: a 16-node SLURM, 1,024 workers
+              and not (args.quick and (b in ("scaling", "workers") or b == "scale" and not args.only))]
+    # not in --quick: a 16-node SLURM, 1,024 workers; scale only when named (--quick --only scale: 200 trials)
     no_slurm = slurm_problem()
     started = time.monotonic()
     info = machine()
@@ -71,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         begun, at_start = time.monotonic(), machine()
         target = out / f"{name}.json"
         extra = ["--nodes", args.startup_nodes] if name == "startup" and args.startup_nodes else []
+        if name == "scale":
+            extra = [] if args.quick else ["--sizes", args.scale_sizes]
         if name == "workers":
             extra = ["--tasks", str(args.worker_tasks), "--hold", str(args.worker_hold), "--sizes", args.worker_sizes,
                      "--task-sizes", args.worker_task_sizes]
@@ -86,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             f" --startup-nodes {args.startup_nodes}" if extra and name == "startup" else "") + (
             f" --worker-tasks {args.worker_tasks} --worker-hold {args.worker_hold} --worker-sizes {args.worker_sizes}"
             + (f" --worker-task-sizes {args.worker_task_sizes}" if args.worker_task_sizes else "") if name == "workers"
-            else "")
+            else "") + (f" --scale-sizes {args.scale_sizes}" if name == "scale" and not args.quick else "")
         store_run(out, name, sections[name], at_start, command, os.getloadavg()[0], runs, args.quick)
     report = {"machine": info, "quick": args.quick, "runs": runs, "seconds": round(time.monotonic() - started, 1),
               "benchmarks": sections}

@@ -1,0 +1,199 @@
+"""(issue 32) Sweeps as big as the allocation: N trivial tagged trials in one flow under `hpc-garage run --site
+local` (2 workers x 1 thread on this machine), written as a user writes them (bench/scale_flow.py), against raw
+`Client.map` on the same workers, plain prefect-dask (at the smallest size: it is too slow beyond) and Prefect's
+ThreadPoolTaskRunner (no cluster; at the middle size).
+
+    python -m bench.scale --sizes 1000,10000,100000 --out scale.json
+    python -m bench.scale --quick --out scale.json      # 200 trials a row: checks the bench works
+
+Each row is one `hpc-garage run` with a HOME of its own (so its own Prefect server and database, stopped after):
+trials/s (the flow's first submission to its last result read), the time per 1,000 trials at the start (the second
+1,000: the first includes the workers' first imports) and at the end (the last 1,000), from the trials' own end
+times; peak RSS summed by process kind (the scheduler = `run`'s process, the flow, the workers, the Prefect server
+and its database) sampled every second; and the server's CPU per trial over the flow's life.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import BIN, PYTHON, ROOT, Figure, compare, say
+
+STEP = 1000
+KINDS = {"hpc-garage": "hpc-garage task_runner()", "dask": "raw Client.map, same workers",
+         "prefect-dask": "plain prefect-dask DaskTaskRunner, same workers",
+         "threads": "Prefect ThreadPoolTaskRunner(2), no cluster"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="1000,10000,100000", help="trial counts (hpc-garage and raw Client.map)")
+    parser.add_argument("--quick", action="store_true", help="200 trials a row, every contender once")
+    parser.add_argument("--runs", type=int, default=1, help="ignored: each size is one run (minutes each)")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    sizes = [200] if args.quick else [int(s) for s in args.sizes.split(",")]
+    rows = [(kind, n) for n in sizes for kind in ("hpc-garage", "dask")]
+    rows.insert(2, ("prefect-dask", sizes[0]))
+    rows.append(("threads", sizes[min(1, len(sizes) - 1)]))
+    found = [measure(kind, n) for kind, n in rows]
+    args.out.write_text(json.dumps(section(found), indent=2) + "\n")
+    return 0 if all(r.get("right") for r in found) else 1
+
+
+def measure(kind: str, n: int) -> dict[str, Any]:
+    """One row: `hpc-garage run --site local -- python -m bench.scale_flow N` in a HOME of its own."""
+    say(f"scale: {kind}, {n:,} trials")
+    with tempfile.TemporaryDirectory(prefix="hpc-garage-bench-scale-") as home:
+        out = Path(home) / "flow.json"
+        env = {**os.environ, "HOME": home, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
+                                                                                     os.environ.get("PYTHONPATH")]))}
+        for name in ("PREFECT_API_URL", "PREFECT_HOME", "PREFECT_PROFILE", "HPC_GARAGE_SCHEDULER_FILE"):
+            env.pop(name, None)
+        started = time.monotonic()
+        process = subprocess.Popen([str(BIN / "hpc-garage"), "run", "--site", "local", "--", PYTHON, "-m",
+                                    "bench.scale_flow", str(n), str(out), kind], cwd=home, env=env,
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        sampler = Sampler(process.pid, home)
+        sampler.start()
+        _, stderr = process.communicate()
+        wall = time.monotonic() - started
+        sampler.stop()
+        subprocess.run([str(BIN / "hpc-garage"), "server", "stop", "--force"], env=env, cwd=home,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)
+        if process.returncode != 0 or not out.exists():
+            say(f"scale: {kind} {n:,}: exit {process.returncode}: {stderr.strip().splitlines()[-1:]}")
+            return {"kind": kind, "n": n, "right": False, "error": f"exit code {process.returncode}"}
+        flow = json.loads(out.read_text())
+    row = {"kind": kind, "n": n, "right": flow["right"], "seconds": flow["seconds"], "run_seconds": round(wall, 1),
+           "trials_per_s": round(n / flow["seconds"], 1), **per_thousand(flow["ends"], n),
+           "peak_rss_mib": sampler.peak_mib(), "server_cpu_ms_per_trial": sampler.server_cpu_ms(n),
+           **{k: flow[k] for k in ("limit", "peak_in_flight", "released") if k in flow}}
+    say(f"scale: {kind} {n:,}: {row['trials_per_s']} trials/s, per 1,000 {row['per_1000_start_s']} s → "
+        f"{row['per_1000_end_s']} s, RSS {row['peak_rss_mib']} MiB, server {row['server_cpu_ms_per_trial']} ms/trial")
+    return row
+
+
+def per_thousand(ends: list[float], n: int) -> dict[str, float | None]:
+    """The time per 1,000 trials at the start (the second 1,000) and at the end (the last), from the trials' end
+    times (seconds since the flow's start, sorted); with fewer than 2,000 trials, tenths scaled to 1,000."""
+    ends = sorted(ends)
+    step = STEP if n >= 2 * STEP else max(1, n // 10)
+    if len(ends) < 2 * step:
+        return {"per_1000_start_s": None, "per_1000_end_s": None}
+    scale = STEP / step
+    start = ends[2 * step - 1] - ends[step - 1]
+    end = ends[-1] - ends[-1 - step]
+    return {"per_1000_start_s": round(start * scale, 2), "per_1000_end_s": round(end * scale, 2)}
+
+
+def kind_of(pid: int, root: int, cmdline: str) -> str:
+    """Which part of a run a process is."""
+    if pid == root:
+        return "scheduler"
+    if "bench.scale_flow" in cmdline:
+        return "flow"
+    if "postgres" in cmdline:
+        return "database"
+    if "multiprocessing" in cmdline or "spawn_main" in cmdline:  # the workers (and their forkserver)
+        return "workers"
+    if "prefect" in cmdline and "server" in cmdline:  # the keeper and the server
+        return "server"
+    return "other"
+
+
+class Sampler:
+    """Peak RSS by process kind, and the server's CPU while the flow lives, every second: `run`'s process tree
+    and anything else started with this row's HOME (the server, once `run` has exited)."""
+
+    def __init__(self, root: int, home: str) -> None:
+        self.root, self.home = root, home
+        self.peak: dict[str, int] = {}
+        self.server_cpu: list[float] = []  # the server's CPU seconds at each sample while the flow ran
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def peak_mib(self) -> dict[str, int]:
+        return {k: round(v / 2**20) for k, v in sorted(self.peak.items()) if k != "other"}
+
+    def server_cpu_ms(self, n: int) -> float | None:
+        if len(self.server_cpu) < 2:
+            return None
+        return round((self.server_cpu[-1] - self.server_cpu[0]) * 1000 / n, 2)
+
+    def _processes(self) -> list[Any]:
+        import psutil
+
+        try:
+            found = {p.pid: p for p in psutil.Process(self.root).children(recursive=True)}
+            found[self.root] = psutil.Process(self.root)
+        except psutil.Error:
+            found = {}
+        for p in psutil.process_iter():
+            try:
+                if p.pid not in found and p.environ().get("HOME") == self.home:
+                    found[p.pid] = p
+            except psutil.Error:
+                continue
+        return list(found.values())
+
+    def _run(self) -> None:
+        import psutil
+
+        while not self._stop.is_set():
+            sums: dict[str, int] = {}
+            server_cpu, flow_alive = 0.0, False
+            for p in self._processes():
+                try:
+                    kind = kind_of(p.pid, self.root, " ".join(p.cmdline()))
+                    rss, cpu = p.memory_info().rss, p.cpu_times()
+                except psutil.Error:
+                    continue
+                sums[kind] = sums.get(kind, 0) + rss
+                flow_alive = flow_alive or kind == "flow"
+                if kind in ("server", "database"):
+                    server_cpu += cpu.user + cpu.system + cpu.children_user + cpu.children_system
+            for kind, rss in sums.items():
+                self.peak[kind] = max(self.peak.get(kind, 0), rss)
+            if flow_alive:
+                self.server_cpu.append(server_cpu)
+            self._stop.wait(1.0)
+
+
+def section(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The rows, and hpc-garage's trials/s at each size as a figure against its peers at that size."""
+    figures = []
+    for n in sorted({r["n"] for r in rows}):
+        group = f"issue 32 scale: {n:,} trivial tagged trials, `hpc-garage run --site local`, 2 workers"
+        for r in (r for r in rows if r["n"] == n):
+            figures.append(Figure(group, KINDS[r["kind"]], "tasks/s", [r["trials_per_s"]] if r.get("right") else [],
+                                  ours=r["kind"] == "hpc-garage", higher_is_better=True,
+                                  note="" if r.get("right") else r.get("error", "wrong results")))
+    compare(figures, ">= 100 trials/s; time per 1,000 at the end <= 1.1x the start",
+            lambda ours, peers: ours.median is not None and ours.median >= 100)
+    for f in figures:  # the flatness goal, from the row itself
+        row = next((r for r in rows if KINDS[r["kind"]] == f.label and f.group.startswith(
+            f"issue 32 scale: {r['n']:,} ")), None)
+        if f.ours and f.met and row and row.get("per_1000_start_s") and row.get("per_1000_end_s"):
+            f.met = row["per_1000_end_s"] <= 1.1 * row["per_1000_start_s"]
+    return {"figures": [f.to_dict() for f in figures], "rows": rows}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
