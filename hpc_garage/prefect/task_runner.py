@@ -11,14 +11,12 @@
 
 `task_runner(pruner=..., metric=..., mode=...)` names a pruner for the trials' `hpc_garage.trial.report()`s;
 with a run directory (under `hpc-garage run`) the reports are kept there with or without one (metrics.py).
-
 A task may submit tasks (the runner's copy on the worker connects with that worker's credentials), and
 prefect-dask's `cluster_kwargs` for its LocalCluster are honoured on the local cluster where they make sense
 (`processes`, `dashboard_address`) and refused in one line where they do not (`n_workers`, ...).
 
 prefect-dask 0.3.7 ignores `dask-resource:` tags, so a "GPU" task may land on a CPU worker. HpcTaskRunner
 submits each tagged task under `dask.annotate(resources=...)`, merged with the caller's own annotation.
-
 prefect-dask also spends ~190 ms of set-up per task (Settings re-validated, a Prefect client built twice,
 the settings re-serialized in the flow). HpcTaskRunner submits through `prefect_fast`, which does that set-up
 once per worker and still runs every task through Prefect's own engine; see that module for what and why.
@@ -65,6 +63,9 @@ LOCAL_CLUSTER = "hpc_garage.cluster.local.LocalSiteCluster"  # loaded by prefect
 
 def task_runner(*, site: str | Site | None = None, **kwargs: Any) -> HpcTaskRunner:
     """The runner for wherever this flow runs; keyword arguments go to DaskTaskRunner.
+
+    `max_in_flight=N`: at most N tasks unfinished in Dask, `map`/`submit` wait past it (default 4 per worker
+    thread, at least 1,000); a finished persisted task leaves Dask, `.result()` reads it back (in_flight.py).
 
     It is built when the flow is decorated, before the flow's first API call: the only moment at which
     the flow process can still be pointed at the shared Prefect API. `pruner=`, `metric=` and `mode=` are
