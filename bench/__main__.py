@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         target = out / f"{name}.json"
         extra = ["--nodes", args.startup_nodes] if name == "startup" and args.startup_nodes else []
         if name == "scale":
-            extra = [] if args.quick else ["--sizes", args.scale_sizes]
+            extra = ["--quick"] if args.quick else ["--sizes", args.scale_sizes]
         if name == "workers":
             extra = ["--tasks", str(args.worker_tasks), "--hold", str(args.worker_hold), "--sizes", args.worker_sizes,
                      "--task-sizes", args.worker_task_sizes]

@@ -147,6 +147,18 @@ def _extra(name: str, section: dict[str, Any]) -> list[str]:
         out.append("")
         out.append(f"- best trial of the full curves: {section.get('expected_best')}; GPU-seconds = each trial's "
                    "duration x its 1 GPU, summed; makespan = first trial's start to last trial's end (median of runs)")
+    if name == "scale" and section.get("rows"):  # issue 32: each size and contender, one line
+        out += ["", "| contender | trials | trials/s | per 1,000 at start → end | peak RSS MiB | server CPU/trial |",
+                "|---|---|---|---|---|---|"]
+        for r in section["rows"]:
+            if "error" in r:
+                out.append(f"| {r['kind']} | {r['n']:,} | failed: {r['error']} | | | |")
+                continue
+            rss = ", ".join(f"{k} {v:,}" for k, v in r["peak_rss_mib"].items())
+            server = "–" if r.get("server_cpu_ms_per_trial") is None else f"{r['server_cpu_ms_per_trial']:.1f} ms"
+            out.append(f"| {r['kind']} | {r['n']:,} | {r['trials_per_s']:.1f} | {r['per_1000_start_s']} s → "
+                       f"{r['per_1000_end_s']} s | {rss} | {server} |")
+        out.append("")
     if name == "cli" and section.get("json_bytes"):
         out.append(f"- `show --json` output for the big plan: {section['json_bytes'] / 1e6:.1f} MB")
     return out

@@ -65,11 +65,14 @@ def measure(kind: str, n: int) -> dict[str, Any]:
                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         sampler = Sampler(process.pid, home)
         sampler.start()
-        _, stderr = process.communicate()
-        wall = time.monotonic() - started
-        sampler.stop()
-        subprocess.run([str(BIN / "hpc-garage"), "server", "stop", "--force"], env=env, cwd=home,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)
+        try:
+            _, stderr = process.communicate()
+        finally:
+            wall = time.monotonic() - started
+            sampler.stop()
+            process.kill()  # interrupted: nothing of this row outlives it (the server, below)
+            subprocess.run([str(BIN / "hpc-garage"), "server", "stop", "--force"], env=env, cwd=home,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)
         if process.returncode != 0 or not out.exists():
             say(f"scale: {kind} {n:,}: exit {process.returncode}: {stderr.strip().splitlines()[-1:]}")
             return {"kind": kind, "n": n, "right": False, "error": f"exit code {process.returncode}"}

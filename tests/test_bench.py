@@ -288,3 +288,36 @@ def test_the_benchmarks_page_shows_figures_only_from_stored_outputs() -> None:
     assert "bench/results/index.md" in includes and "bench/results/latest.md" in includes
     typed = [line for line in page if not line.startswith("--8<--") and (line.startswith("|") or "×" in line)]
     assert typed == []
+
+
+def test_scale_bench_reads_the_time_per_thousand_and_the_process_kinds_and_renders_its_rows() -> None:
+    """bench/scale.py (issue 32): its arithmetic, no timing asserted."""
+    from bench.report import markdown
+    from bench.scale import kind_of, per_thousand, section
+
+    ends = [i * 0.01 for i in range(2000)] + [20 + i * 0.02 for i in range(1, 1001)]  # 3,000, slower at the end
+    found = per_thousand(list(reversed(ends)), 3000)
+    assert found == {"per_1000_start_s": pytest.approx(10.0), "per_1000_end_s": pytest.approx(20.0, abs=0.1)}
+    assert per_thousand([i * 0.01 for i in range(200)], 200) == {"per_1000_start_s": 10.0, "per_1000_end_s": 10.0}
+    assert per_thousand([1.0], 1) == {"per_1000_start_s": None, "per_1000_end_s": None}
+    assert kind_of(7, 7, "hpc-garage run --site local -- python -m bench.scale_flow 10") == "scheduler"
+    assert kind_of(8, 7, "python -m bench.scale_flow 10 out.json") == "flow"
+    assert kind_of(9, 7, "python3 -B -c from multiprocessing.forkserver import main; main(6, 8, "
+                         "['distributed', 'hpc_garage.prefect.worker'])") == "workers"
+    assert kind_of(10, 7, "python3 -m prefect server start --host 127.0.0.1") == "server"
+    assert kind_of(11, 7, "postgres -D /x") == "database"
+    row = {"kind": "hpc-garage", "n": 3000, "right": True, "seconds": 20.0, "trials_per_s": 150.0,
+           "per_1000_start_s": 6.0, "per_1000_end_s": 6.5, "peak_rss_mib": {"flow": 200, "scheduler": 300},
+           "server_cpu_ms_per_trial": 3.5}
+    slow = row | {"per_1000_end_s": 9.0}
+    peer = row | {"kind": "dask", "trials_per_s": 500.0}
+    for rows, met in (([row, peer], True), ([slow, peer], False),
+                      ([row | {"trials_per_s": 90.0}, peer], False)):
+        ours = [f for f in section(rows)["figures"] if f["ours"]]
+        assert [f["met"] for f in ours] == [met]
+    result = section([row, peer, {"kind": "threads", "n": 3000, "right": False, "error": "exit code 1"}])
+    assert [f["values"] for f in result["figures"]] == [[150.0], [500.0], []]
+    text = markdown({"machine": {"date": "today"}, "quick": False, "runs": 1, "seconds": 1.0,
+                     "benchmarks": {"scale": result}})
+    assert "| hpc-garage | 3,000 | 150.0 | 6.0 s → 6.5 s | flow 200, scheduler 300 | 3.5 ms |" in text
+    assert "| threads | 3,000 | failed: exit code 1 |" in text
