@@ -281,3 +281,37 @@ def test_a_sweep_stays_within_its_bound_and_every_trial_is_a_task_run(
         body = {"flow_runs": {"id": {"any_": [flow_run_id]}}}
         count = client.request("POST", "/task_runs/count", json=body).json()
     assert count == n
+
+
+def test_result_and_callbacks_of_a_future_released_while_it_is_read(tmp_path: Any) -> None:
+    """The releaser may drop the Dask future at any moment: a reader that took it still gets the value."""
+    from hpc_garage.compat import release_future
+
+    _, small = completed(9, tmp_path)
+
+    class Dropping(FakeDaskFuture):
+        def __init__(self, value: Any, owner: list[Any]) -> None:
+            super().__init__(value)
+            self.owner = owner
+
+        def result(self, timeout: float | None = None) -> Any:
+            release_future(self.owner[0], self.value)  # released between the reader's two looks
+            return self.value
+
+        def add_done_callback(self, fn: Any) -> None:
+            fn(self)
+
+    owner: list[Any] = []
+    future = ReleasingFuture(task_run_id=uuid.uuid4(), wrapped_future=Dropping(small, owner))
+    owner.append(future)
+    assert future.result() == 9 and future.released
+    called: list[Any] = []
+    future.add_done_callback(called.append)
+    assert called == [future]
+    failed = ReleasingFuture(task_run_id=uuid.uuid4(), wrapped_future=FakeDaskFuture(None))
+    from prefect.states import Failed
+
+    release_future(failed, Failed(message="boom"))
+    with pytest.raises(Exception, match="boom"):
+        failed.result()
+    assert failed.result(raise_on_failure=False) is not None

@@ -55,10 +55,39 @@ def releasing_future_class() -> type:
     from prefect_dask.task_runners import PrefectDaskFuture
 
     class ReleasingFuture(PrefectDaskFuture):  # type: ignore[misc, valid-type]
+        """Each method reads the Dask future once: the releaser may drop it between two reads."""
+
         @uses("prefect-dask", "PrefectDaskFuture._wrapped_future / _final_state")
         def wait(self, timeout: float | None = None) -> None:
             if self._final_state is None and self._wrapped_future is not None:
-                super().wait(timeout)
+                super().wait(timeout)  # prefect-dask's: a Dask future dropped meanwhile is taken as done
+
+        @uses("prefect-dask", "PrefectDaskFuture._wrapped_future / _final_state")
+        def final(self, timeout: float | None = None) -> Any:
+            """The final State (waited for), or what the Dask future holds where that is not a State;
+            prefect-dask's result() up to reading the State's value."""
+            import distributed
+            from prefect.client.schemas.objects import State
+
+            wrapped = self._wrapped_future
+            if self._final_state is None and wrapped is not None:
+                try:
+                    value = wrapped.result(timeout=timeout)
+                except distributed.TimeoutError as exc:
+                    raise TimeoutError(f"Task run {self.task_run_id} did not complete within {timeout} "
+                                       "seconds") from exc
+                if not isinstance(value, State):
+                    return value
+                self._final_state = value
+            return self._final_state
+
+        @uses("prefect-dask", "PrefectDaskFuture._wrapped_future / _final_state")
+        def add_done_callback(self, fn: Any) -> None:
+            wrapped = self._wrapped_future
+            if self._final_state is None and wrapped is not None:
+                wrapped.add_done_callback(lambda _: fn(self))
+                return
+            fn(self)
 
         @property
         @uses("prefect-dask", "PrefectDaskFuture._wrapped_future")

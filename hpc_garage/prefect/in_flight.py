@@ -105,11 +105,11 @@ class ReleasingFuture(releasing_future_class()):  # type: ignore[misc]
     """The runner's Prefect future: once released, `.result()` reads the value back from the results store."""
 
     def result(self, timeout: float | None = None, raise_on_failure: bool = True) -> Any:
-        if self.released:
-            found = read_back(self.state)
-            if found is not NOTHING:
-                return found
-        return super().result(timeout=timeout, raise_on_failure=raise_on_failure)
+        state = self.final(timeout)
+        if not _is_state(state):
+            return state
+        found = read_back(state)
+        return found if found is not NOTHING else state.result(raise_on_failure=raise_on_failure, _sync=True)
 
 
 NOTHING = object()
