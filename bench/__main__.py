@@ -88,12 +88,13 @@ def main(argv: list[str] | None = None) -> int:
             continue
         sections[name] = json.loads(target.read_text()) | {"seconds": round(time.monotonic() - begun, 1)}
         target.unlink()
-        command = "python -m bench" + (" --quick" if args.quick else "") + f" --only {name} --runs {runs}" + (
+        once = 1 if name == "scale" else runs  # each size is one run of its own (minutes each)
+        command = "python -m bench" + (" --quick" if args.quick else "") + f" --only {name} --runs {once}" + (
             f" --startup-nodes {args.startup_nodes}" if extra and name == "startup" else "") + (
             f" --worker-tasks {args.worker_tasks} --worker-hold {args.worker_hold} --worker-sizes {args.worker_sizes}"
             + (f" --worker-task-sizes {args.worker_task_sizes}" if args.worker_task_sizes else "") if name == "workers"
             else "") + (f" --scale-sizes {args.scale_sizes}" if name == "scale" and not args.quick else "")
-        store_run(out, name, sections[name], at_start, command, os.getloadavg()[0], runs, args.quick)
+        store_run(out, name, sections[name], at_start, command, os.getloadavg()[0], once, args.quick)
     report = {"machine": info, "quick": args.quick, "runs": runs, "seconds": round(time.monotonic() - started, 1),
               "benchmarks": sections}
     md, js = write_reports(report, out)
