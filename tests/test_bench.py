@@ -81,7 +81,8 @@ def test_read_json_when_ready_waits_for_a_whole_file_and_gives_up_when_its_write
         common.read_json_when_ready(tmp_path / "never.json", timeout=60, alive=lambda: False, check_every=0)
 
 
-QUICK = ("cli", "overhead", "faults", "trials", "reports", "ui", "packing", "pruning", "startup", "deployment")
+QUICK = ("cli", "overhead", "faults", "trials", "reports", "ui", "packing", "pruning", "startup", "deployment",
+         "scale")  # scale: only named (`--quick --only scale`: 200 trials, 2 rows)
 
 
 def test_the_quick_bench_tests_cover_every_benchmark_but_the_two_left_out_of_quick() -> None:
