@@ -29,7 +29,8 @@ from hpc_garage.compat import release_future, releasing_future_class
 from hpc_garage.core.errors import UserError
 from hpc_garage.prefect import fast as prefect_fast
 
-__all__ = ["InFlight", "Releaser", "ReleasingFuture", "read_back", "check_limit", "default_limit", "releases", "run_released", "when_done"]
+__all__ = ["InFlight", "Releaser", "ReleasingFuture", "check_limit", "client_threads", "close", "default_limit",
+           "read_back", "releases", "run_released", "when_done"]
 
 MINIMUM = 1000  # tasks in flight at least: ~50 MB in the scheduler; enough queued for an adaptive pool to grow on
 PER_THREAD = 4  # tasks in flight per worker thread: each has its next task queued beside it
@@ -47,6 +48,11 @@ def check_limit(value: Any) -> int | None:
         raise UserError(f"task_runner(max_in_flight={value!r}): give a whole number of tasks, at least 1 "
                         f"(or leave it out: {PER_THREAD} per worker thread, at least {MINIMUM})")
     return value
+
+
+def client_threads(client: Callable[[], Any]) -> Callable[[], int]:
+    """The workers' threads, as a Dask client (the runner's, once it has one) counts them now."""
+    return lambda: sum(client().nthreads().values())
 
 
 def default_limit(threads: int) -> int:
@@ -209,6 +215,12 @@ def when_done(future: Any, gate: InFlight, finished: list[Any], releaser: Releas
             metrics.ended(hex_id, dask_future)
 
     return done
+
+
+def close(releaser: Releaser | None) -> None:
+    """The runner's end: release what is queued, if anything was ever submitted."""
+    if releaser is not None:
+        releaser.close()
 
 
 def _is_state(value: Any) -> bool:

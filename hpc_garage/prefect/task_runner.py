@@ -39,9 +39,7 @@ from prefect_dask import DaskTaskRunner
 from hpc_garage import log
 from hpc_garage.compat import dask_futures, runner_has_cluster, runner_started
 from hpc_garage.prefect import fast as prefect_fast
-from hpc_garage.prefect import outage, refusals
-from hpc_garage.prefect.in_flight import (InFlight, Releaser, ReleasingFuture, check_limit, releases, run_released,
-                                          when_done)
+from hpc_garage.prefect import in_flight, outage, refusals
 from hpc_garage.prefect.flow_api import local_address_towards, settle_api
 from hpc_garage.prefect.flow_api import use_api  # noqa: F401 - its old place (tests, bench)
 from hpc_garage.prefect.metrics import TrialMetrics
@@ -124,9 +122,9 @@ class HpcTaskRunner(DaskTaskRunner):
     def __init__(self, *args: Any, pruner: Any = None, metric: str | None = None, mode: str = "min",
                  max_in_flight: int | None = None, **kwargs: Any) -> None:
         check_settings(pruner, metric, mode)
-        self.max_in_flight = check_limit(max_in_flight)  # tasks unfinished in Dask at once (prefect/in_flight.py)
-        self._in_flight: InFlight | None = None  # made at the first submission: the flow's runner is pickled
-        self._releaser: Releaser | None = None  # finished persisted tasks' Dask futures dropped
+        self.max_in_flight = in_flight.check_limit(max_in_flight)  # tasks unfinished in Dask at once
+        self._in_flight: in_flight.InFlight | None = None  # made at the first submission: the flow's runner is pickled
+        self._releaser: in_flight.Releaser | None = None  # finished persisted tasks' Dask futures dropped
         super().__init__(*args, **kwargs)
         self.pruner, self.metric, self.mode = pruner, metric, mode  # the trials' reports (prefect/metrics.py)
         self._metrics: TrialMetrics | None = None  # started at the first submission, in the flow's process only
@@ -165,8 +163,7 @@ class HpcTaskRunner(DaskTaskRunner):
 
     def __exit__(self, *exc: Any) -> None:
         try:
-            if self._releaser is not None:
-                self._releaser.close()
+            in_flight.close(self._releaser)  # the last finished trials released while the client lives
             if self._metrics is not None:
                 self._metrics.close()  # the last reports and the trials' ends, written while the client lives
             if self._finished and outage.api_down():  # bookkeeping only: the work is done (outage.py)
@@ -208,28 +205,26 @@ class HpcTaskRunner(DaskTaskRunner):
         """prefect-dask's submit, with its per-task set-up done once per worker (prefect_fast) where it can be."""
         call = self._fast_call(task, parameters, wait_for, dependencies)
         if self._in_flight is None:
-            self._in_flight = InFlight(self.max_in_flight, lambda: sum(self.client.nthreads().values()))
-            self._releaser = Releaser(lambda: self.client)
-        gate = self._in_flight
-        gate.admit()  # back-pressure: waits while the runner's limit of tasks is unfinished in Dask
+            self._in_flight = in_flight.InFlight(self.max_in_flight, in_flight.client_threads(lambda: self.client))
+            self._releaser = in_flight.Releaser(lambda: self.client)
+        (gate := self._in_flight).admit()  # back-pressure: waits while max_in_flight tasks are unfinished
         try:
             if call is None:
                 future = super().submit(task, parameters, wait_for, dependencies)
             else:
                 first = {"priority": 1} if self._sweep_tasks.interrupted_first(task, parameters) else {}  # issue 24
-                run = run_released if releases(task) else prefect_fast.run_task  # persisted: it may leave Dask
+                run = in_flight.run_released if in_flight.releases(task) else prefect_fast.run_task
                 dask_future = self.client.submit(run, key=call.key, pure=False, **first, **call.kwargs)
                 # as prefect-dask's client does: Prefect finds a downstream task's upstream runs (and so their
                 # assets) through the task_run_id of the dask futures among its arguments
                 dask_future.task_run_id = call.task_run_id
-                future = ReleasingFuture(wrapped_future=dask_future, task_run_id=call.task_run_id)
+                future = in_flight.ReleasingFuture(wrapped_future=dask_future, task_run_id=call.task_run_id)
         except BaseException:
             gate.cancel()
             raise
-        releaser = self._releaser if call is not None and releases(task) else None
-        # the trial's end: counted out of the gate, noted for _await_recorded, released, and (metrics) its
-        # state in trials.json, its last value to the pruner; not self: no cycle
-        future.wrapped_future.add_done_callback(when_done(future, gate, self._finished, releaser, self._metrics))
+        releaser = self._releaser if call is not None and in_flight.releases(task) else None
+        done = in_flight.when_done(future, gate, self._finished, releaser, self._metrics)  # not self: no cycle
+        future.wrapped_future.add_done_callback(done)
         return future
 
     def _fast_call(self, task: Any, parameters: dict[str, Any], wait_for: Any, dependencies: Any) -> Any:
