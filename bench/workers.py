@@ -354,13 +354,17 @@ def summarize(samples: list[dict[str, Any]], tasks: int, hold: float, per_proces
 def refit(good: list[dict[str, Any]]) -> dict[str, Any] | None:
     """bench/scaling.py's model refitted from these sizes: registration takes at least the scheduler's event-loop
     CPU, workers x its per-worker slope (least squares over the sizes' windows), what stays serial at any scale;
-    the wall-clock line is kept beside it (on a shared machine it follows the load more than the size). None
-    below 2 sizes."""
+    the wall-clock line is kept beside it (on a shared machine it follows the load more than the size). Every
+    measured size is a point; the prediction is never negative (a falling CPU line, which only noise makes, is
+    replaced by the line through the origin). None below 2 sizes."""
     if len({s["workers"] for s in good}) < 2:
         return None
     target = TARGET_NODES * TARGET_PER_NODE
     a, b = fit([(s["workers"], s["registration_s"]) for s in good])
     first, cpu = fit([(s["workers"] - 1, s["window_cpu_s"]) for s in good])
+    if cpu <= 0:  # noise on a loaded machine: the line through the origin (total CPU / workers), never below 0
+        points = [(s["workers"] - 1, s["window_cpu_s"]) for s in good]
+        first, cpu = 0.0, max(0.0, sum(x * y for x, y in points) / max(1, sum(x * x for x, _ in points)))
     return {"target": target, "intercept_s": a, "per_worker_s": b, "predicted_s": max(0.0, first) + cpu * target,
             "cpu_per_worker_s": cpu, "cpu_intercept_s": first, "points": len(good),
             "largest": max(s["workers"] for s in good)}

@@ -272,6 +272,9 @@ def test_workers_bench_reads_registration_cpu_heartbeat_lags_and_removals_from_t
     assert abs(model["cpu_per_worker_s"] - 0.002) < 1e-9 and model["largest"] == 512
     assert abs(model["predicted_s"] - 0.002 * model["target"]) < 1e-6  # the serial part: scheduler CPU
     assert refit(sizes[:1]) is None  # one size is no line
+    noisy = [{"workers": w, "registration_s": 60 - 0.04 * w, "window_cpu_s": c} for w, c in ((512, 3.0), (1024, 2.0))]
+    model = refit(noisy)  # a falling line (load, not size): the model still grows with the workers, never below 0
+    assert model is not None and model["cpu_per_worker_s"] > 0 and model["predicted_s"] > 0 and model["points"] == 2
     sample = one | {"load": 1.0, "settings": {"distributed.comm.timeouts.connect": "30s"}, "rss": {"scheduler_mb": 1.0, "worker_process_mb": 2.0},
                     "tasks": {"tasks": 10, "seconds": 2.0, "rate": 5.0, "held_s": 3.0, "right": True, "workers_after": 3}}
     result = summarize([sample, {"workers": 1024, "error": "TimeoutError: registered not written"}], 10, 3.0, 128)

@@ -12,7 +12,10 @@ from __future__ import annotations
 # 1,024 TLS workers on one scheduler process registered in 26.8 s (load 16.7 on 2 cores) and none was removed
 # through 5,000 tasks over them. In 20261127-222609-workers.md, at load 22, 1,024 did not register within
 # 600 s, 512 did in 10.9 s: on a shared machine the limit follows the load. Larger sizes are unmeasured, not
-# known to fail (distributed #3691: about 1,900 workers on Summit, then lost to heartbeats).
+# known to fail (distributed #3691: about 1,900 workers on Summit, then lost to heartbeats). Re-measured on an
+# idle machine (load 0.5 at the start), bench/results/runs/20261128-010836-workers.md: 128/256/512/1,024
+# registered in 0.4/0.3/2.9/12.2 s; 50,000 tasks over the 1,024 for 779 s at load ~40 with heartbeats up to
+# 82 s late, under the 300 s worker TTL: none removed.
 ONE_SCHEDULER_WORKERS = 1024
 
 HOW_TO = "docs/how-to/large-jobs.md"
