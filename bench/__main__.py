@@ -13,6 +13,7 @@
     python -m bench --only reports  what 10,000 `trial.report()` calls per trial cost, and the scheduler meanwhile
     python -m bench --only scale    1,000-100,000 trials in one flow under `hpc-garage run --site local` (issue 32;
                                     not in --quick's default set; --scale-sizes sets the sizes)
+    python -m bench --only server   the managed Prefect server's CPU and database growth per task run
     python -m bench --only workers  128-1,024 TLS workers on one scheduler, then 50,000 tasks over them for 10
                                     minutes (not in --quick; --worker-tasks/--worker-hold scale the run down)
 
@@ -39,7 +40,7 @@ from bench.report import store_run, write_index, write_reports
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ORDER = ("cli", "overhead", "faults", "trials", "reports", "ui", "packing", "pruning", "startup", "deployment",
-         "scaling", "workers", "scale")
+         "scaling", "workers", "scale", "server")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,8 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or (Path(tempfile.mkdtemp(prefix="hpc-garage-bench-quick-")) if args.quick else RESULTS)
     out.mkdir(parents=True, exist_ok=True)
     chosen = [b for b in ORDER if (not args.only or b in args.only.split(","))
-              and not (args.quick and (b in ("scaling", "workers") or b == "scale" and not args.only))]
-    # not in --quick: a 16-node SLURM, 1,024 workers; scale only when named (--quick --only scale: 200 trials)
+              and not (args.quick and (b in ("scaling", "workers", "server") or b == "scale" and not args.only))]
+    # not in --quick: a 16-node SLURM, 1,024 workers, 3 managed servers; scale only when named (--quick --only scale: 200 trials)
     no_slurm = slurm_problem()
     started = time.monotonic()
     info = machine()
@@ -119,7 +120,8 @@ def _run(argv: list[str], log: Path) -> int:
 
 def _module(name: str) -> str:
     return {"cli": "cli_speed", "faults": "fault_cost", "trials": "trial_cost", "ui": "server_ui",
-            "reports": "report_cost", "pruning": "tune_peer"}.get(name, name)
+            "reports": "report_cost", "pruning": "tune_peer",
+            "server": "server_cost"}.get(name, name)
 
 
 def _arguments(name: str, quick: bool, runs: int, out: Path) -> list[str]:
@@ -145,6 +147,8 @@ def _arguments(name: str, quick: bool, runs: int, out: Path) -> list[str]:
         return base + ["--poll", "5"]
     if name == "startup":
         return base + (["--nodes", "1"] if quick else [])
+    if name == "server":  # issue 32: the managed server's CPU per task run (Prefect's own settings as the peer)
+        return base + ["--tasks", "1000", "--variants", "managed,no-event-store,prefect"]  # not in --quick
     if name == "scaling":
         return ["--runs", "1"]  # one job per size and mode: the sizes are the repeats the fit uses
     return base
