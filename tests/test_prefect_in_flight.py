@@ -14,7 +14,8 @@ import pytest
 from hpc_garage.core.errors import UserError
 from hpc_garage.prefect import in_flight
 from hpc_garage.prefect.in_flight import (MINIMUM, PER_THREAD, InFlight, Releaser, ReleasingFuture, check_limit,
-                                          compact, default_limit, read_back, releases, when_done)
+                                          RELEASE_FROM, compact, default_limit, read_back, releases, when_done)
+from hpc_garage.compat import at_least
 
 
 def test_limit_given_is_checked_in_one_line() -> None:
@@ -131,6 +132,7 @@ def completed(value: Any, tmp_path: Any) -> tuple[Any, Any]:
     return full, compact(full)
 
 
+@pytest.mark.skipif(not at_least("prefect", RELEASE_FROM), reason="Prefect < 3.9 reads no record metadata back")
 def test_worker_sends_the_record_metadata_not_the_value(tmp_path: Any) -> None:
     from prefect.results import ResultRecordMetadata
     from prefect.states import Completed, Failed
@@ -212,8 +214,12 @@ def test_when_done_counts_out_notes_and_releases(tmp_path: Any) -> None:
     assert gate.count == 0 and finished == [ok.task_run_id] and queued == [ok]
 
 
-def test_only_persisted_tasks_are_released() -> None:
+def test_only_persisted_tasks_are_released(monkeypatch: pytest.MonkeyPatch) -> None:
     from prefect import task
+
+    from hpc_garage.compat import versions
+
+    monkeypatch.setattr(versions, "version", lambda package: "3.9.1")  # where released results are read back
 
     @task
     def trial(i: int) -> int:
@@ -222,6 +228,19 @@ def test_only_persisted_tasks_are_released() -> None:
     assert not releases(trial)
     assert releases(trial.with_options(persist_result=True))
     assert not releases(trial.with_options(persist_result=False))
+
+
+def test_on_prefect_before_3_9_nothing_is_released(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prefect 3.8 cannot read a released trial's result back from its record metadata: nothing leaves Dask."""
+    from prefect import task
+
+    from hpc_garage.compat import versions
+
+    trial = task(lambda: 1, persist_result=True)
+    monkeypatch.setattr(versions, "version", lambda package: "3.8.0")
+    assert not releases(trial)
+    monkeypatch.setattr(versions, "version", lambda package: "3.9.1")
+    assert releases(trial)
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """hpc_garage.search (tuning/search.py): the task it is given is checked at once; a real flow on a local cluster
-stops at its budget and says so, continues the same study where a search stopped (the trial a job left running
-first, with its parameters; no told trial asked or run again), and ends on too many failed trials."""
+stops at its budget and says so, runs first the trial a job left running (with its parameters), and ends on too
+many failed trials; on the local SLURM, the example keeps every GPU busy, and a cancelled search resumes with no
+told trial asked or run again."""
 
 from __future__ import annotations
 
@@ -86,12 +87,11 @@ def broken(lr: float, depth: int) -> float:
 
 @flow(task_runner=hpc_garage.task_runner())
 def tune() -> dict:
-    first = hpc_garage.search(train, space=SPACE, trials=12, metric="loss", budget="4 GPUs", seed=1)
-    again = hpc_garage.search(train, space=SPACE, trials=8, metric="loss", seed=1)
+    first = hpc_garage.search(train, space=SPACE, trials=12, metric="loss", budget="2 GPUs", seed=1)
     failing = hpc_garage.search(broken, space=SPACE, trials=20, metric="loss", max_failures=3, name="failing")
-    return {"first": first.summary(), "again": again.summary(), "failing": failing.summary(),
-            "first_ran": [r.number for r in sorted(first.results, key=lambda r: r.start)], "again_ran": [r.number for r in again.results],
-            "best": [again.best.number, again.best.params, again.best.value]}
+    return {"first": first.summary(), "failing": failing.summary(),
+            "first_ran": [r.number for r in sorted(first.results, key=lambda r: r.start)],
+            "best": [first.best.number, first.best.params, first.best.value]}
 
 if __name__ == "__main__":
     Path("runs").mkdir()
@@ -107,27 +107,23 @@ if __name__ == "__main__":
 
 
 @pytest.mark.slow
-def test_a_search_stops_at_its_budget_continues_the_same_study_and_ends_on_failures(tmp_path: Path) -> None:
+def test_a_search_stops_at_its_budget_runs_a_left_trial_first_and_ends_on_failures(tmp_path: Path) -> None:
     (tmp_path / "tune.py").write_text(textwrap.dedent(SCRIPT))
     done = subprocess.run([sys.executable, "tune.py"], cwd=tmp_path, capture_output=True, text=True, timeout=400,
                           env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-3000:]
     out = json.loads(lines[0][len("RESULT "):])
-    first, again, failing = out["first"], out["again"], out["failing"]
-    # the budget (4 GPU-seconds; each trial is >= 0.5 s on its worker) came before the 12 trials, and it says so
+    first, failing = out["first"], out["failing"]
+    # the budget (2 GPU-seconds; each trial is >= 0.5 s on its worker) came before the 12 trials, and it says so
     assert first["stopped"].startswith("budget: ") and first["told"] < 12, first
-    assert first["gpu_hours"] * 3600 >= 4 and first["budget_gpu_hours"] == round(4 / 3600, 4), first
+    assert first["gpu_hours"] * 3600 >= 2 and first["budget_gpu_hours"] == round(2 / 3600, 4), first
     # the trial the "last job" left running ran first, with its own parameters, and was told
     left_number, left_params = out["left"]
     assert out["first_ran"][0] == left_number
     states = {number: (state, params) for number, state, params in out["trials"]}
     assert states[left_number] == ("COMPLETE", left_params)
-    # the second search continued the study to 8 trials: no told trial asked again, none run again
-    assert again["stopped"] == "trials: all 8 trials asked" and again["told"] == 8 and again["running"] == 0
-    assert not set(out["first_ran"]) & set(out["again_ran"]), (out["first_ran"], out["again_ran"])
-    assert sorted(out["first_ran"] + out["again_ran"]) == list(range(8))
-    assert len(list((tmp_path / "runs").iterdir())) == 8  # each trial ran once
+    # (continuing the study in a later job, none asked twice: the SLURM cancel + resume test below)
     assert out["best"][0] in states and states[out["best"][0]][0] == "COMPLETE"
     # failures end the search, in one line naming the last; the trials in flight then (one per worker, and one
     # queued in Dask) end too, and are told
@@ -155,12 +151,13 @@ def _concurrency(records: list[dict]) -> int:
 @pytest.mark.slow
 def test_the_example_keeps_every_gpu_of_two_nodes_busy(tmp_path: Path) -> None:
     """examples/optuna_ask_tell.py on 2 nodes x 4 GPUs: as many trials at once as GPUs, never more, and a GPU
-    whose trial ended gets the next one within 1 s while trials are left to ask."""
+    whose trial ended gets the next one within 1 s while trials are left to ask. Trials of 5 s: on a loaded
+    2-core CI machine, 2-s trials started so far apart that at most 7 ever ran at once."""
     from tests.test_durable import hpcg, site_file
 
     site, out, trials, gpus = site_file(tmp_path), tmp_path / "search.json", 32, 8
     done = hpcg(["submit", "--site", str(site), "--nodes", "2", "--gpus-per-node", "4", "--time", "10", "--wait",
-                 str(ASK_TELL), "--trials", str(trials), "--steps", "10", "--step-seconds", "0.2", "--out", str(out)],
+                 str(ASK_TELL), "--trials", str(trials), "--steps", "10", "--step-seconds", "0.5", "--out", str(out)],
                 tmp_path, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     summary = json.loads(out.read_text())

@@ -25,6 +25,7 @@ from hpc_garage.core.errors import UserError
 from hpc_garage.prefect_api import PrefectApi
 from tests.test_e2e import check_placement
 from tests.conftest import outside_job_env
+from tests.slurm_jobs import wait_gone
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -620,6 +621,7 @@ def test_no_script_holds_the_apis_auth_string_and_the_jobs_still_reach_the_api(g
     assert len(secret) >= 16
     runs = garage.home / ".hpc-garage" / "runs"
     caught: dict[str, str] = {}
+    private: dict[str, tuple[int, str]] = {}  # the flow run's secrets file, while it lives (mode, text)
     stop = threading.Event()
 
     def catch() -> None:  # the temporary scripts handed to sbatch live for a moment only
@@ -627,6 +629,11 @@ def test_no_script_holds_the_apis_auth_string_and_the_jobs_still_reach_the_api(g
             for temp in runs.glob(".submit-*.sh"):
                 try:
                     caught[temp.name] = temp.read_text()
+                except OSError:
+                    pass
+            for kept in runs.glob("prefect-flow-runs/*.secrets.json"):
+                try:
+                    private[kept.name] = (kept.stat().st_mode & 0o777, kept.read_text())
                 except OSError:
                     pass
             time.sleep(0.005)
@@ -664,9 +671,13 @@ def test_no_script_holds_the_apis_auth_string_and_the_jobs_still_reach_the_api(g
     assert all(secret not in text for text in caught.values()), sorted(caught)
     public = [p for p in garage.home.rglob("*") if p.is_file() and p.stat().st_mode & 0o077]
     assert not [p for p in public if secret in p.read_text(errors="replace")]
+    mode, text = private[f"{flow_run_id}.secrets.json"]  # while the flow run's job ran
+    assert oct(mode) == "0o600" and json.loads(text)["PREFECT_API_AUTH_STRING"] == garage.auth
     secrets = runs / "prefect-flow-runs" / f"{flow_run_id}.secrets.json"
-    assert oct(secrets.stat().st_mode & 0o777) == "0o600"
-    assert json.loads(secrets.read_text())["PREFECT_API_AUTH_STRING"] == garage.auth
+    deadline = time.monotonic() + 30  # gone once the worker saw the flow run end
+    while secrets.exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not secrets.exists(), f"{secrets} outlived its flow run"
 
 
 def _deploy(garage: Garage, name: str, **options: Any) -> str:
@@ -752,9 +763,7 @@ def test_run_once_submits_and_exits_and_a_later_call_settles_the_job(garage: Gar
     (record,) = garage.records(flow_run_id)
     assert _queued(record["job_id"]) and garage.flow_run(flow_run_id)["infrastructure_pid"] == record["job_id"]
     subprocess.run(["scancel", record["job_id"]], check=True)
-    deadline = time.monotonic() + 60
-    while _queued(record["job_id"]) and time.monotonic() < deadline:
-        time.sleep(1)
+    wait_gone(record["job_id"], 240)  # COMPLETING too: the later call settles a job that has ended, not one ending
     again = subprocess.run(once, env=garage.env, capture_output=True, text=True, timeout=180)
     assert again.returncode == 0, again.stdout + again.stderr
     run = garage.flow_run(flow_run_id)

@@ -14,7 +14,7 @@ lazily, per use).
 
 from __future__ import annotations
 
-from hpc_garage.compat.versions import (USES, VERIFIED, CompatError, Use, in_range, installed_versions, main,
+from hpc_garage.compat.versions import (USES, VERIFIED, CompatError, Use, at_least, in_range, installed_versions, main,
                                         newest_release, registry_releases, release_news, uses, uses_outside_range,
                                         version)
 from hpc_garage.compat.distributed import (attached_spec_cluster, correct_state, executing_now, hold_pause,
@@ -28,7 +28,7 @@ from hpc_garage.compat.prefect import (before_exit_drains, cache_policy_unset, c
 from hpc_garage.compat.prefect_dask import (dask_futures, release_future, releasing_future_class, runner_has_cluster,
                                             runner_started)
 
-__all__ = ["USES", "VERIFIED", "CompatError", "Use", "attached_spec_cluster", "before_exit_drains", "executing_now",
+__all__ = ["USES", "VERIFIED", "CompatError", "Use", "at_least", "attached_spec_cluster", "before_exit_drains", "executing_now",
            "cache_policy_unset", "context_var", "correct_state", "dask_futures", "deployment_context",
            "has_context_vars", "has_deployment_context", "hold_pause", "hooked_job", "in_range", "installed_versions",
            "keep_flow_states", "main", "newest_release", "pause_workers", "queued_log", "rebuild_context_models",

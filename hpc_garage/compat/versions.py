@@ -89,6 +89,12 @@ def _key(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in re.findall(r"\d+", text)[:3])
 
 
+def at_least(package: str, lowest: str) -> bool:
+    """Whether the installed `package` is `lowest` or newer: a behaviour that changed between verified versions."""
+    installed = version(package)
+    return bool(re.match(r"\d", installed)) and _key(installed) >= _key(lowest)
+
+
 def in_range(package: str, installed: str | None = None) -> bool:
     low, high = VERIFIED[package]
     installed = version(package) if installed is None else installed

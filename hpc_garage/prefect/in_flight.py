@@ -25,12 +25,12 @@ import time
 from collections import deque
 from typing import Any, Callable
 
-from hpc_garage.compat import release_future, releasing_future_class
+from hpc_garage.compat import at_least, release_future, releasing_future_class
 from hpc_garage.core.errors import UserError
 from hpc_garage.prefect import fast as prefect_fast
 
 __all__ = ["InFlight", "Releaser", "ReleasingFuture", "check_limit", "client_threads", "close", "default_limit",
-           "read_back", "releases", "run_released", "when_done"]
+           "read_back", "releases", "run_released", "when_done", "RELEASE_FROM"]
 
 MINIMUM = 1000  # tasks in flight at least: ~50 MB in the scheduler; enough queued for an adaptive pool to grow on
 PER_THREAD = 4  # tasks in flight per worker thread: each has its next task queued beside it
@@ -229,9 +229,14 @@ def _is_state(value: Any) -> bool:
     return isinstance(value, State)
 
 
+# Prefect 3.8 resolves a persisted result's absolute local path against its default storage block's base path
+# and refuses it, so a released trial handed to a downstream task failed there (seen on 3.8.0); 3.9 reads it back
+RELEASE_FROM = "3.9"
+
+
 def releases(task: Any) -> bool:
     """Whether a task's finished runs can leave Dask: Prefect persists its result, so `.result()` reads it back."""
-    return task.persist_result is True
+    return task.persist_result is True and at_least("prefect", RELEASE_FROM)
 
 
 def run_released(**kwargs: Any) -> Any:
