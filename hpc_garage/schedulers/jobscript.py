@@ -191,26 +191,28 @@ def dask_mpi_ranks(layout_: Layout, rank_argv: Sequence[str], *, in_slurm: bool,
     return [*argv, *mpi.mpiexec_args, *rank_argv]
 
 
+def _inert_comment(line: str, says: str) -> str:
+    """A line `run` will execute, shown in the job script as a comment (the caller has refused control
+    characters in it, so it stays one inert line); nothing where there is no such line."""
+    return f"# {says}:\n#   {line}" if line else ""
+
+
 def _ranks_comment(line: str) -> str:
-    """The dask-mpi launch line as a comment of the job script (inert: one line, no control characters)."""
-    if not line:
-        return ""
+    """The dask-mpi launch line, with $PBS_NODEFILE as a script would write it."""
     if CONTROL.search(line):
         raise UserError(f"the site's mpi options make the rank launch line {line!r} hold a newline or control "
                         "character; fix mpi.srun_args / mpiexec_args")
-    line = line.replace("'$PBS_NODEFILE'", '"$PBS_NODEFILE"')  # shown as a script would write it
-    return f"# `run` starts one dask-mpi rank per worker (RUN_DIR: the run directory of this job):\n#   {line}"
+    return _inert_comment(line.replace("'$PBS_NODEFILE'", '"$PBS_NODEFILE"'),
+                          "`run` starts one dask-mpi rank per worker (RUN_DIR: the run directory of this job)")
 
 
 def _container_comment(line: str) -> str:
-    """The line `run` enters the site's image with, as a comment (inert: one line, no control characters)."""
-    if not line:
-        return ""
+    """The line `run` enters the site's image with."""
     if CONTROL.search(line):
         raise UserError(f"the site's container settings make the runtime line {line!r} hold a newline or control "
                         "character; fix container.image / binds / env")
-    return ("# `run` re-executes itself inside the site's image (the scheduler needs the image's modules), then "
-            f"runs COMMAND there:\n#   {line}")
+    return _inert_comment(line, "`run` re-executes itself inside the site's image (the scheduler needs the "
+                                "image's modules), then runs COMMAND there")
 
 
 def driver_job_spec(site: Site, request: Request, *, script: str, args: Sequence[str], output: str,
