@@ -247,8 +247,8 @@ class DaskMpiLauncher(Launcher):
         nodefile = batch.nodefile(self.env) if batch else None
         from hpc_garage.schedulers.container import python_argv
 
-        return dask_mpi_ranks(self.layout, [*python_argv(self.layout.site), "-m", "hpc_garage.launchers.dask_mpi", str(ranks_file)],
-                              in_slurm=in_slurm, nodefile=nodefile)
+        rank_argv = [*python_argv(self.layout.site), "-m", "hpc_garage.launchers.dask_mpi", str(ranks_file)]
+        return dask_mpi_ranks(self.layout, rank_argv, in_slurm=in_slurm, nodefile=nodefile)
 
     async def prepare(self, tls: dict[str, str] | None, worker_env: dict[str, str], rundir: RunDir,
                       timeout: float) -> None:

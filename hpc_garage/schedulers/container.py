@@ -43,12 +43,16 @@ def resolve_runtime(site: Site, env: Mapping[str, str] | None = None) -> str:
             raise UserError(f"{site.path or site.name}: container.runtime: {wanted}, but `{COMMANDS[wanted]}` is "
                             "not on PATH here; load its module in the site's setup, or pick the runtime this node has")
         return wanted
-    for runtime in RUNTIMES:
-        if runtime != "pyxis" and shutil.which(COMMANDS[runtime]):
-            return runtime
+    if found := on_path():
+        return found[0]
     raise UserError(f"{site.path or site.name}: container.runtime: auto, but none of "
                     f"{', '.join(COMMANDS[r] for r in RUNTIMES if r != 'pyxis')} is on PATH here; install one, or "
                     "name the runtime (pyxis is never guessed: it is srun's)")
+
+
+def on_path() -> list[str]:
+    """The runtimes this node has, in the order `auto` tries them (pyxis is srun's: never guessed)."""
+    return [r for r in RUNTIMES if r != "pyxis" and shutil.which(COMMANDS[r])]
 
 
 def binds(site: Site, cwd: str | None = None, env: Mapping[str, str] | None = None, *,
@@ -121,8 +125,7 @@ def entry_line(site: Site, workdir: str) -> str:
     assert site.container is not None
     runtime = site.container.runtime
     if runtime == "auto":
-        found = [r for r in RUNTIMES if r != "pyxis" and shutil.which(COMMANDS[r])]
-        runtime = found[0] if found else "apptainer"
+        runtime = (on_path() or ["apptainer"])[0]
     env = {"HOME": os.environ.get("HOME", "~"), CONTAINER_ENV: runtime}
     line = wrap(runtime, launch_for(site, runtime, env, workdir, make=False),
                 [site.container.python, "-m", "hpc_garage", "run", "..."])
