@@ -8,6 +8,9 @@ SLURM contenders, each a user's whole path from submitting to a first Prefect ta
   the job's start); `run` starts the scheduler, one rank per GPU and the flow (first_task.py); its workers
   count as registered when `run` publishes the scheduler file (its mtime), the peers' when
   `client.wait_for_workers` returns.
+- the same inside a container (issue 33): the site with a `container:` block, Charliecloud's `ch-run` and the
+  image scripts/container-image builds (this host's Python and the project's wheel); `run`, the flow and every
+  worker run inside it. Its ratio to the row without a container is beside its ratios to the peers.
 - hpc-garage's dask-mpi mode: the same with `mpi: {launch: dask-mpi}` (site lab-gpu-dask-mpi): one MPI rank
   per worker (`srun --mpi=pmix`), each running dask-mpi's worker side against `run`'s scheduler.
 - dask-mpi written by hand: `mpirun dask-mpi --scheduler-file ...` (scheduler on rank 0) plus the user's
@@ -40,6 +43,7 @@ from bench.common import (BENCH_TMP, BIN, PYTHON, ROOT, SCRIPTS, Figure, Jobs, P
 
 OURS = "hpc-garage mpi launcher (hpc-garage submit)"
 OURS_DASK_MPI = "hpc-garage dask-mpi mode, mpi: {launch: dask-mpi} (hpc-garage submit)"
+OURS_CONTAINER = "hpc-garage mpi launcher inside a Charliecloud image (hpc-garage submit, site container:)"
 DASK_MPI = "dask-mpi CLI + Client(scheduler_file) by hand"
 RUNNER = "dask-jobqueue SLURMRunner under srun"
 CLUSTER = "dask-jobqueue SLURMCluster, one job per node"
@@ -47,6 +51,8 @@ LOGIN_OURS = "hpc-garage run -- python sweep.py"
 LOGIN_PLAIN = "@flow(task_runner=DaskTaskRunner()), no Prefect server configured"
 SITE = "bench-lab-gpu"
 SITE_DASK_MPI = "bench-lab-gpu-dask-mpi"
+SITE_CONTAINER = "bench-lab-gpu-container"
+WITHOUT_CONTAINER = "the same without a container"
 WORKERS_PER_NODE = 4
 PHASES = Phases()  # where the wall time goes: waiting for nodes, submit -> sample, ending the job, login runs
 
@@ -90,6 +96,14 @@ def slurm_startup(nodes: int, runs: int, jobs: Jobs) -> list[Figure]:
     contenders: dict[str, Callable[[Path], dict[str, float]]] = {
         OURS: lambda d: _hpc_garage(d, nodes, env, jobs),
         OURS_DASK_MPI: lambda d: _hpc_garage(d, nodes, env, jobs, site=SITE_DASK_MPI),
+    }
+    image = _container_image(sites)  # issue 33: the same submit, every process inside an image
+    if image is not None:
+        container = (f"container: {{runtime: charliecloud, image: {image}, python: /opt/python/bin/python3, "
+                     "gpus: none, binds: [/run/munge]}\n")  # srun inside the image authenticates through munged
+        (sites / f"{SITE_CONTAINER}.yaml").write_text(lab + stamp + container)
+        contenders[OURS_CONTAINER] = lambda d: _hpc_garage(d, nodes, env, jobs, site=SITE_CONTAINER)
+    contenders |= {
         DASK_MPI: lambda d: _dask_mpi(d, nodes, env, jobs),
         RUNNER: lambda d: _slurm_runner(d, nodes, env, jobs),
         CLUSTER: lambda d: _slurm_cluster(d, nodes, env, jobs),
@@ -124,17 +138,36 @@ def slurm_startup(nodes: int, runs: int, jobs: Jobs) -> list[Figure]:
         block = [Figure(group, name, "s", [s[key] for s in samples[name]], ours=name in (OURS, OURS_DASK_MPI),
                         note=failures.get(name, "")) for name in contenders]
         compare(block, "<= 0.8x the best peer", lambda ours, peers: ratio_to_best(ours, peers) <= 0.8)
+        plain, inside = (next((f for f in block if f.label == label), None) for label in (OURS, OURS_CONTAINER))
+        if plain is not None and inside is not None and plain.median and inside.median is not None:
+            inside.ratios[WITHOUT_CONTAINER] = inside.median / plain.median
         figures += block
     return figures
+
+
+def _container_image(sites: Path) -> Path | None:
+    """The container tests' image (scripts/container-image: this host's Python and the project's wheel in a
+    Charliecloud directory image), built once per run; None, and said, where Charliecloud is missing."""
+    if shutil.which("ch-run") is None:
+        say("start-up: no ch-run here: the row inside a container is not measured (apt-get install charliecloud)")
+        return None
+    image = sites / "image"
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "container-image"), str(image)], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHON": PYTHON})
+    if done.returncode != 0:
+        raise RuntimeError(f"scripts/container-image: {done.stderr.strip()[-300:]}")
+    return image
 
 
 def _hpc_garage(directory: Path, nodes: int, env: dict[str, str], jobs: Jobs, site: str = SITE) -> dict[str, float]:
     out = directory / "out.json"
     run_env = {**env, "HPC_GARAGE_BENCH_DIR": str(directory)}
+    script = directory / "first_task.py"  # in the working directory, which a container binds (the checkout not)
+    shutil.copy(SCRIPTS / "first_task.py", script)
     submitted = time.time()
     with PHASES("submit -> sample"):
         done = subprocess.run([str(BIN / "hpc-garage"), "submit", "--site", site, "--nodes", str(nodes),
-                               str(SCRIPTS / "first_task.py"), str(out)], env=run_env, cwd=directory,
+                               str(script), str(out)], env=run_env, cwd=directory,
                               capture_output=True, text=True, timeout=60)
     if done.returncode != 0:
         raise RuntimeError(f"hpc-garage submit: {done.stderr.strip()[-300:]}")

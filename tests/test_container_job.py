@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc_garage.core.errors import SiteError
+from hpc_garage.core.errors import SiteError, UserError
 from hpc_garage.schedulers import container as job_container
 from hpc_garage.sites import parse_site_file, with_container
 
@@ -66,6 +66,8 @@ def test_launchers_start_node_processes_inside_the_image(tmp_path, monkeypatch):
     image.mkdir()
     site = parse_site_file(_site(tmp_path, f"{{runtime: charliecloud, image: {image}, gpus: none}}"))
     monkeypatch.setenv(job_container.CONTAINER_ENV, "charliecloud")  # handed down by `run`: no PATH lookup
+    monkeypatch.setenv("HOME", str(tmp_path))  # every bind under /tmp, which ch-run takes from the host
+    monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     argv = job_container.python_argv(site)
     assert argv[0] == "ch-run" and argv[-3:] == [str(image), "--", "python3"]
@@ -83,3 +85,51 @@ def test_a_runtime_missing_here_is_named(tmp_path, monkeypatch):
     auto = with_container(parse_site_file(_site(tmp_path, f"{{image: {image}}}", gpus=0)), str(image))
     with pytest.raises(Exception, match="container.runtime: auto, but none of apptainer, singularity, podman, ch-run"):
         job_container.resolve_runtime(auto)
+
+
+def _image(tmp_path: Path, *dirs: str) -> Path:
+    """A Charliecloud directory image with these directories (mount points, or holding a file where `+`)."""
+    image = tmp_path / "img"
+    for d in dirs:
+        (image / d.strip("+/")).mkdir(parents=True, exist_ok=True)
+        if d.endswith("+"):
+            (image / d.strip("+/") / "file").write_text("the image's own")
+    return image
+
+
+def test_charliecloud_binds_a_path_the_image_lacks_through_its_empty_mount_point(tmp_path):
+    """ch-run cannot make a mount point in a read-only image: HOME=/home/alice goes in through /home, a path
+    under /tmp (the host's, in ch-run) and one the image has stay as they are, and nothing is bound twice."""
+    image = _image(tmp_path, "home", "data/sets", "opt+")
+    bound = job_container.onto_mount_points(
+        str(image), ["/home/alice", "/home/bob/runs", "/tmp/x/y", "/data/sets", "/data/sets/a"], "s.yaml: container.image")
+    assert bound == ("/home", "/tmp/x/y", "/data/sets")
+
+
+@pytest.mark.parametrize(("bind", "why"), [
+    ("/scratch/alice", "the image .* has no /scratch/alice to bind /scratch/alice onto"),  # no mount point at all
+    ("/opt/runs", "the image .* has no /opt/runs"),  # /opt holds the image's files: a bind would hide them
+    ("/home/alice:/users/alice", "no /users/alice to bind /home/alice onto"),  # the site's SRC:DST: not moved
+])
+def test_charliecloud_refuses_a_bind_it_cannot_mount_in_one_line_naming_the_fix(tmp_path, bind, why):
+    image = _image(tmp_path, "home", "opt+")
+    with pytest.raises(UserError, match=why) as caught:
+        job_container.onto_mount_points(str(image), [bind], "s.yaml: container.image")
+    message = str(caught.value)
+    assert message.startswith("s.yaml: container.image: ") and "\n" not in message
+    assert "mkdir -p" in message and "in its recipe" in message
+
+
+def test_an_image_file_keeps_its_binds_as_they_are(tmp_path):
+    squash = tmp_path / "img.sqfs"
+    squash.write_text("")
+    assert job_container.onto_mount_points(str(squash), ["/home/alice"], "o") == ("/home/alice",)
+
+
+def test_a_charliecloud_site_binds_home_through_the_images_mount_point(tmp_path, monkeypatch):
+    """Through the site: HOME=/home/alice-garage-test, which the image lacks, is bound at the image's /home."""
+    image = _image(tmp_path, "home", "opt/python/bin")
+    monkeypatch.setenv("HOME", "/home/alice-garage-test")
+    site = parse_site_file(_site(tmp_path, f"{{runtime: charliecloud, image: {image}, gpus: none}}"))
+    launch = job_container.launch_for(site, "charliecloud", cwd=str(tmp_path), make=False)
+    assert launch.binds == (str(tmp_path), "/home"), launch.binds

@@ -9,58 +9,18 @@ permitted); Apptainer, Singularity and Pyxis are not installable: their lines ar
 from __future__ import annotations
 
 import collections
-import json
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from tests.conftest import outside_job_env
+from tests.containers import SWEEP, build_image, check_inside, hpcg, site_file
 from tests.slurm_jobs import job_logs
-
-ROOT = Path(__file__).resolve().parent.parent
-SWEEP = ROOT / "tests" / "data" / "container_sweep.py"
-PY = sys.executable
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def image(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if shutil.which("ch-run") is None:
-        pytest.fail("ch-run not found: install charliecloud (scripts/test installs it)")
-    path = tmp_path_factory.mktemp("image") / "img"
-    done = subprocess.run(["bash", str(ROOT / "scripts" / "container-image"), str(path)], capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "PYTHON": PY, "USER": os.environ.get("USER", "root")})
-    assert done.returncode == 0, done.stderr[-3000:]
-    return path
-
-
-def site_file(tmp_path: Path, image: Path, **extra: str) -> Path:
-    lines = {"scheduler": "local", "node": "{cores: 4, memory: 8GiB, gpus: 2}", "workers": "{per: gpu}"} | extra
-    container = (f"{{runtime: charliecloud, image: {image}, python: /opt/python/bin/python3, gpus: none, "
-                 "binds: [/run/munge]}")  # srun inside (the mpi launcher) authenticates through munged
-    text = "".join(f"{k}: {v}\n" for k, v in lines.items())
-    path = tmp_path / "ct.yaml"
-    path.write_text(text + f"run_directory: {tmp_path}/runs\ncontainer: {container}\n")
-    shutil.copy(SWEEP, tmp_path / SWEEP.name)  # in the working directory, which `run` binds (the checkout is not)
-    return path
-
-
-def hpcg(args: list[str], cwd: Path, timeout: float = 400) -> subprocess.CompletedProcess:
-    return subprocess.run([PY, "-m", "hpc_garage", *args], capture_output=True, text=True, cwd=cwd,
-                          env={**outside_job_env(), "USER": os.environ.get("USER", "root")}, timeout=timeout)
-
-
-def check_inside(out: Path, seeds: int) -> list[dict]:
-    summary = json.loads(out.read_text())
-    assert summary["result"] == summary["expected"] and len(summary["records"]) == seeds
-    assert summary["flow_image"] == "hpc-garage-test-image" and summary["flow_python"] == "/opt/python/bin/python3"
-    for r in summary["records"]:
-        assert r["image"] == "hpc-garage-test-image" and r["in_image"] and r["python"] == "/opt/python/bin/python3", r
-    return summary["records"]
+    return build_image(tmp_path_factory.mktemp("image") / "img")
 
 
 def test_doctor_runs_the_images_python_and_finds_this_version(tmp_path: Path, image: Path, monkeypatch) -> None:

@@ -25,7 +25,7 @@ from hpc_garage.core.errors import UserError
 from hpc_garage.prefect_api import PrefectApi
 from tests.test_e2e import check_placement
 from tests.conftest import outside_job_env
-from tests.slurm_jobs import wait_gone
+from tests.slurm_jobs import job_logs, wait_gone
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -359,6 +359,46 @@ def test_a_deployment_run_is_one_job_and_completes_with_every_gpu_trial_on_its_o
     while secrets.exists() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not secrets.exists(), f"{secrets} outlived its flow run"
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_a_deployment_run_with_the_container_job_variable_runs_its_flow_and_trials_inside_that_image(
+        garage: Garage, tmp_path: Path) -> None:
+    """Issue 33: a deployment whose job variables name a site with a container runtime and, in `container`, the
+    image. Its flow (tests/data/container_sweep.py, which imports a package only the image has; Prefect deploys
+    it from here as a placeholder) and every trial run inside that image, one GPU each, not in the site's own
+    image (a decoy directory that holds no Python), and the flow run completes."""
+    from tests.containers import build_image, check_inside, site_file
+
+    image = build_image(tmp_path / "img")
+    decoy = tmp_path / "decoy-image"
+    decoy.mkdir()
+    site = site_file(tmp_path, decoy, runs=False, scheduler="slurm", queue="gpu",
+                     node="{cores: 8, memory: 15GiB, gpus: 4}", workers="{per: gpu, reserve_memory: 512MiB}",
+                     interface="lo")
+    variables = {"site": str(site), "container": str(image), "nodes": 1}
+    deploy = ("from prefect import flow; "
+              f"flow.from_source(source={str(tmp_path)!r}, entrypoint='container_sweep.py:sweep').deploy("
+              f"name='in-image', work_pool_name={POOL!r}, job_variables={variables!r})")
+    done = subprocess.run([PY, "-c", deploy], env=garage.env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    deployment = garage.call("GET", "/deployments/name/sweep/in-image")["id"]
+    out, marks, seeds = tmp_path / "out.json", tmp_path / "marks", 8
+    try:
+        flow_run_id = garage.call("POST", f"/deployments/{deployment}/create_flow_run", {
+            "parameters": {"seeds": seeds, "out": str(out), "marks": str(marks)}})["id"]
+        run = garage.wait(flow_run_id, lambda r: r["state_type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"),
+                          600, "a final state")
+        (record,) = garage.records(flow_run_id)  # one job
+        assert run["state_type"] == "COMPLETED", (run["state"], job_logs(garage.home / ".hpc-garage" / "runs"))
+        records = check_inside(out, seeds)
+        assert all(r["cuda_visible_devices"] and "," not in r["cuda_visible_devices"] for r in records), records
+        assert len({r["cuda_visible_devices"] for r in records}) == 4  # the node's four GPUs, one trial each at once
+        assert sorted(int(x) for x in marks.read_text().split()) == list(range(seeds))  # each trial ran once
+        assert record["request"]["container"] == str(image), record["request"]  # the job variable, not the site's
+    finally:
+        garage.call("DELETE", f"/deployments/{deployment}")
 
 
 @pytest.mark.slurm

@@ -79,6 +79,41 @@ def binds(site: Site, cwd: str | None = None, env: Mapping[str, str] | None = No
     return (*kept, *(b for b in theirs if ":" in b))
 
 
+HOST_TMP = "/tmp"  # ch-run mounts the host's /tmp there: a path under it needs no mount point in the image
+
+
+def onto_mount_points(image: str, bound: Sequence[str], origin: str) -> tuple[str, ...]:
+    """Charliecloud binds only onto a directory the image has: ch-run cannot create one in a read-only image
+    ("can't mkdir ...: Read-only file system"), and an image rarely has the user's HOME (/home/alice) or a
+    site's scratch. A path a directory image lacks is bound through its deepest ancestor that the image has
+    as an empty directory, a mount point (/home/alice through /home), at the same path. Where there is none
+    (or it holds the image's own files, which the bind would hide): one line naming the mount point to make.
+    An image file (squashfs) cannot be read from here: its binds are left as they are."""
+    root = Path(image)
+    if not root.is_dir():
+        return tuple(bound)
+    kept: list[str] = []
+    for bind in bound:
+        src, _, dst = bind.partition(":")
+        dst = dst or src
+        if dst == HOST_TMP or dst.startswith(HOST_TMP + "/") or (root / dst.lstrip("/")).is_dir():
+            kept.append(bind)
+            continue
+        ancestor = Path(dst).parent
+        while ancestor.parent != ancestor and not (root / str(ancestor).lstrip("/")).exists():
+            ancestor = ancestor.parent
+        inside = root / str(ancestor).lstrip("/")
+        if ancestor.parent == ancestor or src != dst or not inside.is_dir() or any(inside.iterdir()):
+            top = Path(dst).parents[-2] if len(Path(dst).parts) > 2 else Path(dst)
+            raise UserError(f"{origin}: the image {image} has no {dst} to bind {src} onto, and ch-run cannot make "
+                            f"one in a read-only image; create the mount point in the image (mkdir -p "
+                            f"{root / dst.lstrip('/')}, or `RUN mkdir -p {top}` in its recipe)")
+        kept.append(str(ancestor))
+    unique = list(dict.fromkeys(kept))  # several paths under one mount point: one bind
+    return tuple(b for b in unique if not any(b.partition(":")[0].startswith(o.partition(":")[0].rstrip("/") + "/")
+                                             for o in unique if ":" not in o and o != b))
+
+
 def launch_for(site: Site, runtime: str, env: Mapping[str, str] | None = None, cwd: str | None = None, *,
                make: bool = True) -> Launch:
     """The plain parameters of one process inside the site's image, as `core.container` spells them."""
@@ -86,8 +121,11 @@ def launch_for(site: Site, runtime: str, env: Mapping[str, str] | None = None, c
     container = site.container
     assert container is not None
     gpus = site.node.gpu_vendor if container.gpus == "auto" and site.node.gpus else "none"
-    return Launch(image=os.path.expandvars(os.path.expanduser(container.image)) if container.image_is_path
-                  else container.image, binds=binds(site, cwd, env, make=make),
+    image = os.path.expandvars(os.path.expanduser(container.image)) if container.image_is_path else container.image
+    bound = binds(site, cwd, env, make=make)
+    if runtime == "charliecloud":
+        bound = onto_mount_points(image, bound, f"{site.path or site.name}: container.image")
+    return Launch(image=image, binds=bound,
                   env={**site.env, **container.env}, passed=passed_names([*env, CONTAINER_ENV]), gpus=gpus,
                   workdir=cwd or os.getcwd())
 
