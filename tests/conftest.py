@@ -56,7 +56,8 @@ SHARDS |= {f"{QUICK_BENCH}[{name}]": shard for shard, names in
             "4": ("overhead", "reports"), "5": ("startup", "deployment")}.items() for name in names}
 # Tests without SLURM run in the sixth process, `other`, but for these: slow ones that fit beside a shard's
 # waiting (each its own Prefect server or cluster, so that where they run does not matter)
-BESIDE_SHARDS = {"test_prefect_server_idle.py": "1", "test_prefect_server_sweeps.py": "4"}
+BESIDE_SHARDS = {"test_prefect_server_idle.py": "1", "test_prefect_server_sweeps.py": "4",
+                 "test_container_slurm.py": "5"}  # (with its SLURM tests: one image built, not two)
 SHARD_ENV = "HPC_GARAGE_SLURM_SHARD"  # 1-5: that shard's SLURM tests and the others BESIDE_SHARDS gives it;
                                       # `other`: the tests without SLURM, but those; unset: all
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 from pathlib import Path
 
@@ -133,3 +134,13 @@ def test_a_charliecloud_site_binds_home_through_the_images_mount_point(tmp_path,
     site = parse_site_file(_site(tmp_path, f"{{runtime: charliecloud, image: {image}, gpus: none}}"))
     launch = job_container.launch_for(site, "charliecloud", cwd=str(tmp_path), make=False)
     assert launch.binds == (str(tmp_path), "/home"), launch.binds
+
+
+def test_charliecloud_gets_user_where_the_environment_lacks_it():
+    """ch-run will not start without $USER ("$USER not set"), which a job a service submitted may lack."""
+    import pwd
+
+    me = pwd.getpwuid(os.getuid()).pw_name
+    assert job_container.runtime_env("charliecloud", {"HOME": "/h"}) == {"USER": me}
+    assert job_container.runtime_env("charliecloud", {"USER": "alice"}) == {}
+    assert job_container.runtime_env("apptainer", {}) == {}

@@ -9,6 +9,7 @@ permitted); Apptainer, Singularity and Pyxis are not installable: their lines ar
 from __future__ import annotations
 
 import collections
+import os
 from pathlib import Path
 
 import pytest

@@ -61,6 +61,7 @@ def test_a_missing_podman_image_is_named(tmp_path, monkeypatch, bin_dir):
 def test_a_version_mismatch_is_one_line_naming_both(tmp_path, monkeypatch, bin_dir):
     site = _site(tmp_path, f"{{runtime: charliecloud, image: {tmp_path}}}")
     monkeypatch.setenv("PATH", str(bin_dir))
+    monkeypatch.chdir(tmp_path)  # a directory image binds only onto what it has; under /tmp, the host's
     calls: list = []
     found = json.dumps({"hpc-garage": "0.0.1", "prefect": "3.0.0", "distributed": "2024.1.0"})
     check = container_check(site, _env(tmp_path, bin_dir), _answer(found + "\n", calls=calls))
@@ -72,6 +73,7 @@ def test_a_version_mismatch_is_one_line_naming_both(tmp_path, monkeypatch, bin_d
 def test_an_image_without_hpc_garage_and_the_same_version(tmp_path, monkeypatch, bin_dir):
     site = _site(tmp_path, f"{{runtime: charliecloud, image: {tmp_path}}}")
     monkeypatch.setenv("PATH", str(bin_dir))
+    monkeypatch.chdir(tmp_path)  # a directory image binds only onto what it has; under /tmp, the host's
     bad = container_check(site, _env(tmp_path, bin_dir),
                           _answer(stderr="ModuleNotFoundError: No module named 'hpc_garage'", code=1))
     assert bad is not None and bad.failed and "has no hpc-garage" in bad.line()

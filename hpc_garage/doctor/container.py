@@ -30,7 +30,7 @@ def container_check(site: Site, env: Mapping[str, str],
     from `resolve_runtime`, which `guarded` turns into the failure line naming it)."""
     if site.container is None:
         return None
-    from hpc_garage.schedulers.container import launch_for, resolve_runtime
+    from hpc_garage.schedulers.container import launch_for, resolve_runtime, runtime_env
 
     container = site.container
     runtime = resolve_runtime(site, {k: v for k, v in env.items() if k != CONTAINER_ENV})  # as on the host
@@ -44,7 +44,7 @@ def container_check(site: Site, env: Mapping[str, str],
                               f"{site_file(site)}")
     line = wrap(runtime, launch_for(site, runtime, env), [container.python, "-c", VERSIONS_CODE])
     try:
-        done = run(line, capture_output=True, text=True, timeout=300, env=dict(env))
+        done = run(line, capture_output=True, text=True, timeout=300, env={**env, **runtime_env(runtime, env)})
     except subprocess.TimeoutExpired:
         return Check.fail(NAME, f"{runtime} did not start {container.python} in {container.image} within 300 s")
     where = f"{runtime} image {container.image}"

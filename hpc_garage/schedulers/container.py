@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pwd
 import shlex
 import shutil
 import sys
@@ -138,6 +139,14 @@ def python_argv(site: Site, env: Mapping[str, str] | None = None) -> list[str]:
     return wrap(runtime, launch_for(site, runtime, env), [site.container.python])
 
 
+def runtime_env(runtime: str, env: Mapping[str, str]) -> dict[str, str]:
+    """What the runtime itself needs in its environment and `env` lacks: ch-run refuses to start without $USER
+    ("$USER not set"), which a job submitted by a service (a Prefect worker under systemd) may not have."""
+    if runtime == "charliecloud" and not env.get("USER"):
+        return {"USER": pwd.getpwuid(os.getuid()).pw_name}
+    return {}
+
+
 def enter(site: Site, argv: Sequence[str]) -> None:
     """Re-execute this `hpc-garage` command inside the site's image; once there, put the image's interpreter
     first on PATH, so that COMMAND's `python` is the image's (the host's may be visible through a bind)."""
@@ -150,6 +159,7 @@ def enter(site: Site, argv: Sequence[str]) -> None:
         return
     runtime = resolve_runtime(site)
     os.environ[CONTAINER_ENV] = runtime
+    os.environ.update(runtime_env(runtime, os.environ))
     line = wrap(runtime, launch_for(site, runtime), [site.container.python, "-m", "hpc_garage", *argv])
     logger.info("entering the container: %s", " ".join(line))
     sys.stdout.flush()
