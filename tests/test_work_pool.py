@@ -396,7 +396,10 @@ def test_a_deployment_run_with_the_container_job_variable_runs_its_flow_and_tria
         assert all(r["cuda_visible_devices"] and "," not in r["cuda_visible_devices"] for r in records), records
         assert len({r["cuda_visible_devices"] for r in records}) == 4  # the node's four GPUs, one trial each at once
         assert sorted(int(x) for x in marks.read_text().split()) == list(range(seeds))  # each trial ran once
-        assert record["request"]["container"] == str(image), record["request"]  # the job variable, not the site's
+        from hpc_garage.rundir import RunRoot
+
+        script = RunRoot(garage.home / ".hpc-garage" / "runs").run_dir(record["job_id"]).script_file.read_text()
+        assert f" --container {shlex.quote(str(image))} " in script  # the job variable, not the site's image
     finally:
         garage.call("DELETE", f"/deployments/{deployment}")
 
