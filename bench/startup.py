@@ -135,7 +135,8 @@ def slurm_startup(nodes: int, runs: int, jobs: Jobs) -> list[Figure]:
     for key, what in (("registered", "job running -> all workers registered"),
                       ("first_task", "submit -> first task started")):
         group = f"start-up, {shape}: {what}"
-        block = [Figure(group, name, "s", [s[key] for s in samples[name]], ours=name in (OURS, OURS_DASK_MPI),
+        block = [Figure(group, name, "s", [s[key] for s in samples[name]],
+                        ours=name in (OURS, OURS_DASK_MPI, OURS_CONTAINER),
                         note=failures.get(name, "")) for name in contenders]
         compare(block, "<= 0.8x the best peer", lambda ours, peers: ratio_to_best(ours, peers) <= 0.8)
         plain, inside = (next((f for f in block if f.label == label), None) for label in (OURS, OURS_CONTAINER))

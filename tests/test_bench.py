@@ -4,6 +4,7 @@ whole thing (`python -m bench --quick`) so that it cannot rot. Nothing here asse
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -111,6 +112,9 @@ def test_quick_bench_runs_every_benchmark(name: str, tmp_path: Path) -> None:
     groups = {f["group"] for f in section["figures"]}
     if name == "startup":
         assert any(g.startswith("start-up, 1 node") for g in groups) and any("login node" in g for g in groups)
+        if shutil.which("ch-run"):  # issue 33: the same submit inside a container, beside the one without
+            inside = [f for f in ours if "inside a Charliecloud image" in f["label"]]
+            assert len(inside) == 2 and all("the same without a container" in f["ratios"] for f in inside), inside
     if name == "overhead":
         recorded = section["recorded_in_api"]
         assert recorded and all(r["completed"] == r["submitted"] for r in recorded)
