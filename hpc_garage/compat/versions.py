@@ -89,16 +89,22 @@ def _key(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in re.findall(r"\d+", text)[:3])
 
 
+def _installed_key(package: str, installed: str | None = None) -> tuple[int, ...] | None:
+    """The installed release of `package` as numbers; None where it is not installed."""
+    text = version(package) if installed is None else installed
+    return _key(text) if re.match(r"\d", text) else None
+
+
 def at_least(package: str, lowest: str) -> bool:
     """Whether the installed `package` is `lowest` or newer: a behaviour that changed between verified versions."""
-    installed = version(package)
-    return bool(re.match(r"\d", installed)) and _key(installed) >= _key(lowest)
+    key = _installed_key(package)
+    return key is not None and key >= _key(lowest)
 
 
 def in_range(package: str, installed: str | None = None) -> bool:
     low, high = VERIFIED[package]
-    installed = version(package) if installed is None else installed
-    return bool(re.match(r"\d", installed)) and _key(low) <= _key(installed) < _key(high)
+    key = _installed_key(package, installed)
+    return key is not None and _key(low) <= key < _key(high)
 
 
 def uses_outside_range() -> list[str]:

@@ -208,21 +208,21 @@ class HpcTaskRunner(DaskTaskRunner):
             self._in_flight = in_flight.InFlight(self.max_in_flight, in_flight.client_threads(lambda: self.client))
             self._releaser = in_flight.Releaser(lambda: self.client)
         (gate := self._in_flight).admit()  # back-pressure: waits while max_in_flight tasks are unfinished
+        released = call is not None and in_flight.releases(task)
         try:
             if call is None:
                 future = super().submit(task, parameters, wait_for, dependencies)
             else:
                 first = {"priority": 1} if self._sweep_tasks.interrupted_first(task, parameters) else {}  # issue 24
-                run = in_flight.run_released if in_flight.releases(task) else prefect_fast.run_task
-                dask_future = self.client.submit(run, key=call.key, pure=False, **first, **call.kwargs)
-                # as prefect-dask's client does: Prefect finds a downstream task's upstream runs (and so their
-                # assets) through the task_run_id of the dask futures among its arguments
+                dask_future = self.client.submit(in_flight.run_released if released else prefect_fast.run_task,
+                                                 key=call.key, pure=False, **first, **call.kwargs)
+                # as prefect-dask does: Prefect finds upstream runs (and assets) by the task_run_id of argument futures
                 dask_future.task_run_id = call.task_run_id
                 future = in_flight.ReleasingFuture(wrapped_future=dask_future, task_run_id=call.task_run_id)
         except BaseException:
             gate.cancel()
             raise
-        releaser = self._releaser if call is not None and in_flight.releases(task) else None
+        releaser = self._releaser if released else None
         done = in_flight.when_done(future, gate, self._finished, releaser, self._metrics)  # not self: no cycle
         future.wrapped_future.add_done_callback(done)
         return future

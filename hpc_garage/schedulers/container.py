@@ -72,12 +72,13 @@ def binds(site: Site, cwd: str | None = None, env: Mapping[str, str] | None = No
     assert site.container is not None
     theirs = [os.path.expandvars(os.path.expanduser(b)) for b in site.container.binds]
     paths = [str(p) for p in ours] + [b for b in theirs if ":" not in b]
-    kept: list[str] = []
-    for path in paths:  # one bind per tree: a path inside another bound one is left out
-        inside = any(other != path and path.startswith(other.rstrip("/") + "/") for other in paths)
-        if not inside and path not in kept:
-            kept.append(path)
-    return (*kept, *(b for b in theirs if ":" in b))
+    return (*_one_per_tree(paths), *(b for b in theirs if ":" in b))
+
+
+def _one_per_tree(paths: Sequence[str]) -> list[str]:
+    """Each path once, and none inside another one: a bind at the same path covers what is below it."""
+    return [path for i, path in enumerate(paths) if path not in paths[:i]
+            and not any(other != path and path.startswith(other.rstrip("/") + "/") for other in paths)]
 
 
 HOST_TMP = "/tmp"  # ch-run mounts the host's /tmp there: a path under it needs no mount point in the image
@@ -110,9 +111,8 @@ def onto_mount_points(image: str, bound: Sequence[str], origin: str) -> tuple[st
                             f"one in a read-only image; create the mount point in the image (mkdir -p "
                             f"{root / dst.lstrip('/')}, or `RUN mkdir -p {top}` in its recipe)")
         kept.append(str(ancestor))
-    unique = list(dict.fromkeys(kept))  # several paths under one mount point: one bind
-    return tuple(b for b in unique if not any(b.partition(":")[0].startswith(o.partition(":")[0].rstrip("/") + "/")
-                                             for o in unique if ":" not in o and o != b))
+    same = [b for b in kept if ":" not in b]  # several paths under one mount point: one bind
+    return (*_one_per_tree(same), *(b for b in kept if ":" in b))
 
 
 def launch_for(site: Site, runtime: str, env: Mapping[str, str] | None = None, cwd: str | None = None, *,
