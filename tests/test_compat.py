@@ -157,3 +157,26 @@ def test_the_index_listing_is_parsed(monkeypatch: pytest.MonkeyPatch) -> None:
         a, 1, "", "ERROR: No matching distribution found for prefect\n"))
     with pytest.raises(UserError, match="No matching distribution found"):
         compat.registry_releases("prefect")
+
+
+def test_an_expected_close_dask_logs_at_info_says_its_line_without_the_traceback(caplog) -> None:
+    """distributed.batched logs "Batched Comm Closed" at INFO with exc_info while a cluster ends: the user sees
+    the line; a warning keeps its traceback."""
+    import logging
+
+    from hpc_garage.compat import quiet_expected_closes
+
+    quiet_expected_closes()
+    quiet_expected_closes()  # once per process, however often asked
+    log = logging.getLogger("distributed.batched")
+    assert len(log.filters) == 1
+    try:
+        raise ConnectionError("closed")
+    except ConnectionError:
+        with caplog.at_level(logging.INFO, logger="distributed.batched"):
+            log.info("Batched Comm Closed %r", "comm", exc_info=True)
+            log.warning("something else", exc_info=True)
+    info, warning = caplog.records
+    assert info.getMessage() == "Batched Comm Closed 'comm'" and info.exc_info is None
+    assert "Traceback" not in caplog.text.split("something else")[0]
+    assert warning.exc_info is not None

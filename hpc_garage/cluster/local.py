@@ -48,6 +48,7 @@ def cluster_specs(workers: list[Any], *, security: Any = None, env: dict[str, st
 def _spec_cluster_class() -> type:
     from distributed import SpecCluster
 
+    from hpc_garage.compat import quiet_expected_closes
     from hpc_garage.sites import load_site
 
     class LocalSiteCluster(SpecCluster):
@@ -62,6 +63,7 @@ def _spec_cluster_class() -> type:
             scheduler, workers = cluster_specs(self.site_layout.workers, security=security, env=env,
                                                local_directory=local_directory(site.local_directory),
                                                processes=processes, dashboard_address=dashboard_address)
+            quiet_expected_closes()  # its scheduler runs in this process
             super().__init__(workers=workers, scheduler=scheduler, security=security,
                              name=f"hpc-garage-{site.name}", **kwargs)
 

@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from hpc_garage.compat import quiet_expected_closes
 from hpc_garage.core.errors import UserError
 from hpc_garage.cluster.handoff import Handoff
 from hpc_garage.cluster.node_loss import NodeWatch
@@ -164,6 +165,7 @@ async def _serve(site: Site, layout_: Layout, launcher: Launcher, rundir: RunDir
     """Start COMMAND, the workers and the scheduler at once (their imports overlap), publish the scheduler
     file once every worker has registered (COMMAND's task runner waits for it), end when COMMAND does."""
     logging.getLogger("distributed").setLevel(env["DASK_LOGGING__DISTRIBUTED"].upper())
+    quiet_expected_closes()
     expected = [w.name for w in layout_.workers]
     state = RunState(rundir, len(expected))
     state("starting", workers=0, job_id=job_id, site=site.name, sweep=swept.key.name, epoch=swept.key.epoch)

@@ -18,6 +18,7 @@ from hpc_garage.compat.versions import (USES, VERIFIED, CompatError, Use, at_lea
                                         newest_release, registry_releases, release_news, uses, uses_outside_range,
                                         version)
 from hpc_garage.compat.distributed import (attached_spec_cluster, correct_state, executing_now, hold_pause,
+                                           quiet_expected_closes,
                                            pause_workers, replace_valid_workers, run_on_workers, scheduler_at,
                                            skip_forkserver_optional_preload)
 from hpc_garage.compat.dask_jobqueue import hooked_job
@@ -31,7 +32,7 @@ from hpc_garage.compat.prefect_dask import (dask_futures, release_future, releas
 __all__ = ["USES", "VERIFIED", "CompatError", "Use", "at_least", "attached_spec_cluster", "before_exit_drains", "executing_now",
            "cache_policy_unset", "context_var", "correct_state", "dask_futures", "deployment_context",
            "has_context_vars", "has_deployment_context", "hold_pause", "hooked_job", "in_range", "installed_versions",
-           "keep_flow_states", "main", "newest_release", "pause_workers", "queued_log", "rebuild_context_models",
+           "keep_flow_states", "main", "newest_release", "pause_workers", "quiet_expected_closes", "queued_log", "rebuild_context_models",
            "registry_releases", "release_future", "release_news", "releasing_future_class", "replace_valid_workers", "run_on_workers", "runner_has_cluster",
            "runner_started", "scheduler_at", "skip_forkserver_optional_preload", "stretch_no_tag_limits_cache",
            "tag_limits_survive_outages", "take_queued", "unconfirmed_events", "uses", "uses_outside_range", "version"]

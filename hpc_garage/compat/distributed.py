@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -137,3 +138,21 @@ def attached_spec_cluster(base: type) -> type:
 
     Attached.__name__ = Attached.__qualname__ = f"Attached{base.__name__}"
     return Attached
+
+
+class _NoTracebackBelowWarning(logging.Filter):
+    """distributed.batched logs a stream that closed while the cluster ends ("Batched Comm Closed") at INFO with
+    its traceback: an expected end, so the line is kept and the traceback dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING and record.exc_info:
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+_QUIET = _NoTracebackBelowWarning()
+
+
+def quiet_expected_closes() -> None:
+    """In a process that runs a scheduler: its expected closes say one line, not a traceback (once per process)."""
+    logging.getLogger("distributed.batched").addFilter(_QUIET)  # a filter already there is not added again
