@@ -52,8 +52,8 @@ SHARDS = {"test_long_trials.py": "2", "test_pruning_sweep.py": "2", "test_prefec
           "test_tuning_search.py": "5", "test_container_slurm.py": "5", "test_jobqueue_slurm.py": "5"}
 QUICK_BENCH = "test_bench.py::test_quick_bench_runs_every_benchmark"
 SHARDS |= {f"{QUICK_BENCH}[{name}]": shard for shard, names in
-           {"1": ("cli", "scale"), "2": ("faults", "trials", "pruning"), "3": ("ui", "packing"),
-            "4": ("overhead", "reports"), "5": ("startup", "deployment")}.items() for name in names}
+           {"1": ("cli", "scale"), "2": ("faults", "trials"), "3": ("ui", "packing"),
+            "4": ("overhead", "reports"), "5": ("startup", "deployment", "pruning")}.items() for name in names}
 # Tests without SLURM run in the sixth process, `other`, but for these: slow ones that fit beside a shard's
 # waiting (each its own Prefect server or cluster, so that where they run does not matter)
 BESIDE_SHARDS = {"test_prefect_server_idle.py": "1", "test_prefect_server_sweeps.py": "4",

@@ -180,3 +180,52 @@ def test_an_expected_close_dask_logs_at_info_says_its_line_without_the_traceback
     assert info.getMessage() == "Batched Comm Closed 'comm'" and info.exc_info is None
     assert "Traceback" not in caplog.text.split("something else")[0]
     assert warning.exc_info is not None
+
+
+@pytest.mark.slow  # a scheduler and a worker in this process, and a Nanny's worker process
+def test_a_heartbeat_that_fails_as_its_worker_closes_is_one_info_line_and_one_that_fails_mid_run_is_an_error(
+        caplog) -> None:
+    """A worker's heartbeat in flight as the cluster ends logs "Failed to communicate with scheduler during
+    heartbeat." at ERROR with a traceback (seen in the flow's stderr, after a refusal's one line, under load).
+    While its worker closes: INFO, no traceback; while it runs: untouched. Every worker hpc-garage starts has
+    the filter (its preload, launchers/worker_setup.py), in its own process."""
+    import logging
+
+    from distributed import Client, Nanny, Scheduler, Worker
+
+    from hpc_garage.compat.distributed import HEARTBEAT_FAILED, quiet_expected_closes
+    from hpc_garage.launchers.common import WORKER_SETUP, dask_worker_preload
+
+    def heartbeat_fails(log: logging.Logger) -> logging.LogRecord:
+        caplog.clear()
+        try:
+            raise OSError("in <TLS (closed) ConnectionPool.heartbeat_worker>: Stream is closed")
+        except OSError:
+            with caplog.at_level(logging.INFO, logger="distributed.worker"):
+                log.exception(HEARTBEAT_FAILED + ".")
+        return caplog.records[0]
+
+    def has_filter() -> bool:
+        return any(type(f).__name__ == "_HeartbeatAsTheWorkerCloses"
+                   for f in logging.getLogger("distributed.worker").filters)
+
+    async def scenario() -> tuple[logging.LogRecord, logging.LogRecord, dict[str, bool]]:
+        quiet_expected_closes()
+        log = logging.getLogger("distributed.worker")
+        async with Scheduler(host="127.0.0.1", dashboard_address=None) as scheduler:
+            async with Nanny(scheduler.address, nthreads=1, preload=dask_worker_preload()) as nanny, \
+                    Client(scheduler.address, asynchronous=True) as client:
+                in_workers = await client.run(has_filter)
+                await nanny.close()
+            worker = Worker(scheduler.address, nthreads=1)
+            await worker
+            running = heartbeat_fails(log)
+            await worker.close()
+            closing = heartbeat_fails(log)
+        return running, closing, in_workers
+
+    running, closing, in_workers = asyncio.run(scenario())
+    assert running.levelno == logging.ERROR and running.exc_info is not None  # a worker that runs: as it was
+    assert closing.levelno == logging.INFO and closing.exc_info is None
+    assert closing.getMessage() == HEARTBEAT_FAILED + "."
+    assert WORKER_SETUP in dask_worker_preload() and list(in_workers.values()) == [True]

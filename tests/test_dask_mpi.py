@@ -162,6 +162,8 @@ def test_each_rank_is_pinned_to_its_own_gpu_as_its_node_shows_them() -> None:
 def test_dask_mpi_takes_the_workers_options_on_its_command_line() -> None:
     from dask_mpi.cli import main as cli
 
+    from hpc_garage.launchers.common import dask_worker_preload
+
     spec = next(w for w in two_nodes().workers if w.node == 0 and w.local_rank == 1)
     env = {"CUDA_VISIBLE_DEVICES": "1", "OMP_NUM_THREADS": "2"}
     data = {"scheduler_file": "/run/dask-scheduler.json", "tls": {"tls_ca_file": "/c"}, "interface": "ib0",
@@ -171,7 +173,8 @@ def test_dask_mpi_takes_the_workers_options_on_its_command_line() -> None:
     assert params["protocol"] == "tls" and params["interface"] == "ib0" and params["local_directory"] == "/scratch"
     options = json.loads(params["worker_options"])
     assert options == {"name": spec.name, "nthreads": spec.nthreads, "memory_limit": spec.memory_limit,
-                       "resources": spec.resources, "env": env, "death_timeout": 60.0}
+                       "resources": spec.resources, "env": env, "death_timeout": 60.0,
+                       "preload": dask_worker_preload()}  # each worker's own set-up (launchers/worker_setup.py)
     plain = cli.make_context("dask-mpi", dask_mpi_args({**data, "tls": None, "interface": None}, spec, env)).params
     assert plain["protocol"] == "tcp" and plain["interface"] is None
 

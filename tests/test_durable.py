@@ -106,15 +106,16 @@ def test_cancel_then_resume_runs_no_finished_trial_again(tmp_path: Path) -> None
     assert list(epochs) == ["1"] and [j["how"] for j in epochs["1"]["jobs"]][:2] == ["submit", "resume"]
 
 
+@pytest.mark.timeout(900)  # the submit's own 600 s first: its output names what it waited for
 def test_walltime_ends_in_a_follow_up_job_and_the_sweep_completes_unattended(tmp_path: Path) -> None:
-    """--time 1 (60 s) for a sweep of about 50 s of trials on 4 GPUs (with start-up, 2-4 jobs): `run` winds
+    """--time 2 (120 s) for a sweep of about 125 s of trials on 4 GPUs (with start-up, 2-3 jobs): `run` winds
     down before the end, submits a follow-up job, and `submit --wait` follows the sweep to its end; no
     finished trial runs again. The trials never checkpoint, so a short checkpoint_grace: with the default
-    (60 s) a 60 s job winds down half-way, and on a loaded machine, where a job takes 20 s to start its
-    workers, a follow-up job can end before it reaches the trials its sweep still lacks."""
-    trials, duration = 40, 5.0
+    (60 s) a job winds down half-way. Not `--time 1`: under CI's load a job took 30 s to start its trials,
+    and a 1-minute follow-up job ended before it reached the trials its sweep still lacked."""
+    trials, duration = 100, 5.0
     site = site_file(tmp_path, "requeue: auto\nwalltime_margin: 15s\ncheckpoint_grace: 5s\n")
-    done = hpcg(["submit", "--site", str(site), "--nodes", "2", "--gpus-per-node", "2", "--time", "1", "--wait",
+    done = hpcg(["submit", "--site", str(site), "--nodes", "2", "--gpus-per-node", "2", "--time", "2", "--wait",
                  str(SWEEP), "--trials", str(trials), "--duration", str(duration), "--marks", str(tmp_path / "marks"),
                  "--out", str(tmp_path / "out.json")], tmp_path, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr + job_logs(tmp_path / "runs")

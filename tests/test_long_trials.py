@@ -23,6 +23,7 @@ SWEEP = DATA / "long_trials.py"
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 LONG_SITE = "requeue: auto\nwalltime_margin: 15s\ncheckpoint_grace: 10s\n"
+LONGEST = 240  # s of work per trial in the walltime chain: more than two 2-minute jobs give it
 
 
 def attempts(marks: Path) -> dict[int, list[dict]]:
@@ -42,10 +43,13 @@ def submit_long(tmp_path: Path, site: Path, duration: float, every: int, *extra:
                  str(tmp_path / "marks"), "--out", str(tmp_path / "out.json")], tmp_path, timeout=timeout)
 
 
+@pytest.mark.timeout(1500)  # 3-4 jobs of 2 minutes
 def test_trials_longer_than_the_walltime_are_continued_across_jobs(tmp_path: Path) -> None:
-    """2 GPU trials of 150 s that checkpoint every 10 s, `--time 1`: the sweep completes unattended over
-    several jobs, and each interruption loses at most 15 s of a trial's work."""
-    done = submit_long(tmp_path, site_file(tmp_path, LONG_SITE), 150, 10, "--time", "1", "--wait", timeout=1500)
+    """2 GPU trials of 240 s that checkpoint every 10 s, `--time 2`: the sweep completes unattended over
+    several jobs, and each interruption loses at most 15 s of a trial's work. (2 minutes, not 1: under CI's
+    load a job took 30 s to start its trials, and `--time 1` left them 10 s a job, 12 minutes in all.)"""
+    done = submit_long(tmp_path, site_file(tmp_path, LONG_SITE), LONGEST, 10, "--time", "2", "--wait",
+                       timeout=1400)
     print(done.stdout)
     assert done.returncode == 0, done.stdout + done.stderr + job_logs(tmp_path / "runs")
     assert json.loads((tmp_path / "out.json").read_text())["result"] == 1
@@ -55,8 +59,8 @@ def test_trials_longer_than_the_walltime_are_continued_across_jobs(tmp_path: Pat
         worked = sum(r["worked"] for r in runs)
         interruptions = len(runs) - 1
         print(f"trial {i}: {len(runs)} attempts, {worked:.0f} s of work, "
-              f"{(worked - 150) / max(interruptions, 1):.1f} s lost per interruption")
-        assert interruptions >= 2 and worked <= 150 + 15 * interruptions, runs
+              f"{(worked - LONGEST) / max(interruptions, 1):.1f} s lost per interruption")
+        assert interruptions >= 2 and worked <= LONGEST + 15 * interruptions, runs
         assert all(r["from"] > 0 for r in runs[1:]), runs  # every later attempt resumed from a checkpoint
     assert re.search(r"trials interrupted: work lost since their last checkpoint", done.stdout + done.stderr) or \
         any("trials interrupted" in p.read_text() for p in (tmp_path / "runs").glob("*.out"))
@@ -64,10 +68,11 @@ def test_trials_longer_than_the_walltime_are_continued_across_jobs(tmp_path: Pat
 
 def test_trials_that_never_checkpoint_end_the_chain_with_the_reason(tmp_path: Path) -> None:
     """The same sweep without checkpoints, `max_continuations: 1`: at most 2 jobs, then the chain stops with
-    the one-line reason and exit code 75 (today's code chained on: 7 jobs in 7 minutes, still going)."""
+    the one-line reason and exit code 75 (today's code chained on: 7 jobs in 7 minutes, still going).
+    `--time 2`: under CI's load the second job of a 1-minute chain had wound down before its trials started."""
     # a margin that leaves the teardown time enough on this shared machine, with trials still running
     site = site_file(tmp_path, LONG_SITE.replace("15s", "30s") + "max_continuations: 1\n")
-    done = submit_long(tmp_path, site, 150, 0, "--time", "1", "--wait", timeout=600)
+    done = submit_long(tmp_path, site, 150, 0, "--time", "2", "--wait", timeout=580)
     print(done.stdout, done.stderr)
     assert done.returncode == 75, done.stdout + done.stderr
     jobs = sweep_record(tmp_path)["epochs"]["1"]["jobs"]

@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from hpc_garage.prefect_api import PrefectApi
 from tests.slurm_jobs import exit_code, wait_gone
 from tests.test_faults import SWEEP, runs, wait_marks
 from tests.conftest import outside_job_env
@@ -69,11 +70,11 @@ class Server:
             self.process.wait()
 
     def flow_runs(self) -> list[dict]:
-        return httpx.post(f"{self.url}/flow_runs/filter", json={}, timeout=10).json()
+        return PrefectApi(self.url, timeout=10).post("/flow_runs/filter", {})  # a busy answer (503) is asked again
 
     def task_runs(self, flow_run_id: str) -> list[dict]:
-        return httpx.post(f"{self.url}/task_runs/filter", json={"flow_runs": {"id": {"any_": [flow_run_id]}}},
-                          timeout=10).json()
+        return PrefectApi(self.url, timeout=10).post("/task_runs/filter",
+                                                     {"flow_runs": {"id": {"any_": [flow_run_id]}}})
 
 
 @pytest.fixture

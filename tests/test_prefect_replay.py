@@ -17,12 +17,20 @@ import uuid
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-import httpx
 import pytest
+from hpc_garage.prefect_api import PrefectApi
 from tests.conftest import outside_job_env
 
 PY = sys.executable
 JOB = "4242"
+
+
+def api_client(api: dict[str, str]) -> PrefectApi:
+    """hpc-garage's one client of Prefect's API: a server busy under load (503) is asked again, as Prefect's own
+    client does; an error status raises with the server's answer (a bare httpx call read a 503's body as a run)."""
+    client = PrefectApi.from_env(api, timeout=30)
+    assert client is not None, api
+    return client
 
 
 def hpcg(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -99,16 +107,16 @@ def kept_run(run_dir: Path, url: str, flow_run_id: str, task_run_ids: list[str])
 def test_replay_sends_what_was_kept_once(runs: tuple[Path, dict[str, str]], api: dict[str, str]) -> None:
     root, env = runs  # the environment names the API's auth string, as a user's would (PREFECT_API_*)
     url = api["PREFECT_API_URL"]
-    http = httpx.Client(base_url=url, auth=tuple(api["PREFECT_API_AUTH_STRING"].split(":", 1)), timeout=30)
-    flow = http.post("/flows/", json={"name": "replay-test"}).json()
-    flow_run_id = http.post("/flow_runs/", json={"flow_id": flow["id"], "state": {"type": "RUNNING"}}).json()["id"]
+    http = api_client(api)
+    flow = http.post("/flows/", {"name": "replay-test"})
+    flow_run_id = http.post("/flow_runs/", {"flow_id": flow["id"], "state": {"type": "RUNNING"}})["id"]
     task_run_ids = [str(uuid.uuid4()) for _ in range(3)]
     kept = kept_run(root / JOB, url, flow_run_id, task_run_ids)
 
     def held() -> tuple[list[str], str, int]:
-        task_runs = http.post("/task_runs/filter", json={"task_runs": {"id": {"any_": task_run_ids}}}).json()
-        flow_run = http.get(f"/flow_runs/{flow_run_id}").json()
-        logs = http.post("/logs/filter", json={"logs": {"flow_run_id": {"any_": [flow_run_id]}}}).json()
+        task_runs = http.post("/task_runs/filter", {"task_runs": {"id": {"any_": task_run_ids}}})
+        flow_run = http.get(f"/flow_runs/{flow_run_id}")
+        logs = http.post("/logs/filter", {"logs": {"flow_run_id": {"any_": [flow_run_id]}}})
         return sorted(t["state_type"] for t in task_runs), flow_run["state_type"], len(logs)
 
     assert held() == ([], "RUNNING", 0)
@@ -186,9 +194,9 @@ def test_replay_reaches_the_managed_server_started_again(runs: tuple[Path, dict[
     root, env = runs
     env = {k: v for k, v in env.items() if not k.startswith("PREFECT_API_")}  # the user names no API of theirs
     url, auth = api["PREFECT_API_URL"], api["PREFECT_API_AUTH_STRING"]
-    http = httpx.Client(base_url=url, auth=tuple(auth.split(":", 1)), timeout=30)
-    flow = http.post("/flows/", json={"name": "replay-managed-test"}).json()
-    flow_run_id = http.post("/flow_runs/", json={"flow_id": flow["id"], "state": {"type": "RUNNING"}}).json()["id"]
+    http = api_client(api)
+    flow = http.post("/flows/", {"name": "replay-managed-test"})
+    flow_run_id = http.post("/flow_runs/", {"flow_id": flow["id"], "state": {"type": "RUNNING"}})["id"]
     task_run_ids = [str(uuid.uuid4()) for _ in range(2)]
     run_dir = root / "4343"
     kept_run(run_dir, url, flow_run_id, task_run_ids)
@@ -205,7 +213,7 @@ def test_replay_reaches_the_managed_server_started_again(runs: tuple[Path, dict[
     now = json.loads(ServerDir.of().state_file.read_text())  # the server replay started
     assert (now["url"], now["auth"]) != (url, auth) and now["url"] in replayed.stdout, replayed.stdout
     assert f"flow run {flow_run_id} set COMPLETED (was RUNNING)" in replayed.stdout
-    http = httpx.Client(base_url=now["url"], auth=tuple(now["auth"].split(":", 1)), timeout=30)
-    task_runs = http.post("/task_runs/filter", json={"task_runs": {"id": {"any_": task_run_ids}}}).json()
+    http = api_client({"PREFECT_API_URL": now["url"], "PREFECT_API_AUTH_STRING": now["auth"]})
+    task_runs = http.post("/task_runs/filter", {"task_runs": {"id": {"any_": task_run_ids}}})
     assert sorted(t["state_type"] for t in task_runs) == ["COMPLETED"] * 2  # counted from the new instance
-    assert http.get(f"/flow_runs/{flow_run_id}").json()["state_type"] == "COMPLETED"
+    assert http.get(f"/flow_runs/{flow_run_id}")["state_type"] == "COMPLETED"

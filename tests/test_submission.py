@@ -238,6 +238,9 @@ def test_an_older_jobs_files_under_a_recycled_id_are_ignored(lab: Path, fake: Fa
         (JobStatus("1", "F", "finished", exit_code=0), None, "done"),
         (None, {"phase": "done", "exit_code": 0}, "done"),
         (None, {"phase": "failed", "exit_code": 5}, "failed (exit 5)"),
+        (JobStatus("1", "FAILED", "finished", exit_code=75), {"phase": "failed", "chain_ended": "no trial ran"},
+         "failed (exit 75: no trial ran)"),  # why the sweep's chain of jobs ends here (cluster/wind_down.py)
+        (JobStatus("1", "COMPLETED", "finished", exit_code=0), {"chain_ended": "no trial ran"}, "done"),
         (None, {"phase": "running"}, "left the queue (last seen running)"),
         (None, None, "left the queue; no state recorded"),
     ],

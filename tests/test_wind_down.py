@@ -88,6 +88,26 @@ def test_exit_codes_and_a_follow_up_job_that_is_no_longer_needed() -> None:
     assert ending.exit_code(143) == EX_TEMPFAIL  # stopped, nobody carries it on: resume it
 
 
+def test_a_job_in_which_no_trial_finished_or_ran_ends_the_chain_and_notes_why(tmp_path: Path) -> None:
+    """A job that wound down before any trial ran (its start-up took the walltime) submits no follow-up job, which
+    would fare no better, and notes why: `status` and `--wait` end with the reason, not "to be continued"."""
+    said: list[str] = []
+    notes: dict[str, Any] = {}
+    submitted: list[str] = []
+    ending = WindDown(site(requeue="auto"), "42", None, lambda: submitted.append("43") or "43", lambda other: None,
+                      tmp_path)
+    ending.bind(said.append, lambda **kw: notes.update(kw))
+    ending._decide([])
+    ending.stopped = True  # as the wind-down stops COMMAND next
+    assert submitted == [] and ending.next_job is None and ending.exit_code(143) == EX_TEMPFAIL
+    assert notes["chain_ended"].startswith("no trial finished or ran in this job, so no follow-up job")
+    assert "`hpc-garage resume 42`" in notes["chain_ended"] and said == [notes["chain_ended"]]
+    (tmp_path / "result-1").write_text("{}")  # a job that stored a result hands on
+    notes.clear()
+    ending._decide([])
+    assert submitted == ["43"] and "chain_ended" not in notes
+
+
 @pytest.mark.parametrize("value", ["KILL@60", "USR1", "USR1@0", "USR1@-5", "usr1@60"])
 def test_a_warning_signal_must_be_one_run_winds_down_on(value: str) -> None:
     with pytest.raises(ValueError, match="warning_signal"):

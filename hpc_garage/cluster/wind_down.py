@@ -284,10 +284,11 @@ class WindDown:
             return
         if self._follow_up is None:
             return
-        if not new_results and not records:
-            self._say("no trial finished or ran in this job: no follow-up job (it would fare no better); give "
-                      "the sweep a longer walltime and `hpc-garage resume` it")
-            return
+        if not new_results and not records:  # (noted: `status` and `--wait` end with it, not "to be continued")
+            self._note(chain_ended=(why := "no trial finished or ran in this job, so no follow-up job (it would "
+                                    "fare no better): give the sweep a longer walltime, then "
+                                    f"`hpc-garage resume {self.job_id}`"))
+            return self._say(why)
         if not follow_up_needed(records, new_results):
             for r in self.gave_up:
                 self._say(f"trial {r['task']} ({r['trial'][:12]}) is not continued: {r['gave_up']} (interrupted "
@@ -355,8 +356,7 @@ def _executing_keys(scheduler: Any) -> list[str]:
 
 
 def _state(scheduler: Any, key: str) -> str | None:
-    ts = scheduler.tasks.get(key)
-    return ts.state if ts is not None else None
+    return ts.state if (ts := scheduler.tasks.get(key)) is not None else None
 
 
 def _note_ended(running: list[str], executing: set[str], ended: dict[str, float]) -> None:

@@ -150,9 +150,42 @@ class _NoTracebackBelowWarning(logging.Filter):
         return True
 
 
+HEARTBEAT_FAILED = "Failed to communicate with scheduler during heartbeat"  # Worker.heartbeat's logger.exception
+
+
+class _HeartbeatAsTheWorkerCloses(logging.Filter):
+    """A worker whose heartbeat was in flight as the scheduler closed its streams logs it at ERROR with the
+    traceback, also when the worker itself is closing (the cluster ends: seen under load, after a flow's last
+    line). Then it is an expected end: the line is kept at INFO, without the traceback. A heartbeat that fails
+    while a worker of this process still runs keeps its ERROR and traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and str(record.msg).startswith(HEARTBEAT_FAILED) and workers_closing():
+            record.levelno, record.levelname = logging.INFO, logging.getLevelName(logging.INFO)
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
 _QUIET = _NoTracebackBelowWarning()
+_HEARTBEAT = _HeartbeatAsTheWorkerCloses()
+
+
+@uses("distributed", "Worker._instances / Status.closing (a worker's own close under way)")
+def workers_closing() -> bool:
+    """Whether this process has workers and every one of them is closing or closed (False outside the verified
+    range: a traceback is then kept rather than hidden)."""
+    from distributed import Worker
+    from distributed.core import Status
+
+    if not versions.in_range("distributed"):
+        return False
+    workers = list(Worker._instances)
+    ending = {Status.closing, Status.closing_gracefully, Status.closed, Status.failed}
+    return bool(workers) and all(worker.status in ending for worker in workers)
 
 
 def quiet_expected_closes() -> None:
-    """In a process that runs a scheduler: its expected closes say one line, not a traceback (once per process)."""
+    """In a process that runs a scheduler or workers: their expected closes say one line, not a traceback (once
+    per process; a worker process calls it from its preload, launchers/worker_setup.py)."""
     logging.getLogger("distributed.batched").addFilter(_QUIET)  # a filter already there is not added again
+    logging.getLogger("distributed.worker").addFilter(_HEARTBEAT)

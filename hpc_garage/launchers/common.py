@@ -31,6 +31,7 @@ def worker_options(spec: WorkerSpec, *, env: dict[str, str] | None = None, **ext
         "memory_limit": spec.memory_limit,
         "resources": dict(spec.resources),
         "env": {**(env or {}), **spec.env},
+        "preload": dask_worker_preload(),
         **extra,
     }
     if spec.cpus:
@@ -38,6 +39,18 @@ def worker_options(spec: WorkerSpec, *, env: dict[str, str] | None = None, **ext
 
         options["worker_class"] = BoundWorker
     return options
+
+
+WORKER_SETUP = "hpc_garage.launchers.worker_setup"  # every worker's own set-up (its dask_setup)
+
+
+def dask_worker_preload() -> list[str]:
+    """Dask's worker preload: the user's (`distributed.worker.preload` in their Dask config), then ours. Given
+    explicitly, a worker would otherwise read the config's alone."""
+    import dask.config
+
+    configured = [str(m) for m in dask.config.get("distributed.worker.preload", []) or []]
+    return [*configured, WORKER_SETUP] if WORKER_SETUP not in configured else configured
 
 
 async def wait_for_workers(

@@ -38,7 +38,7 @@ from hpc_garage.core.allocation import Allocation
 from hpc_garage.schedulers import allocation_from_env, node_name
 from hpc_garage.core.errors import UserError
 from hpc_garage.launchers.common import (forkserver_env, local_directory, node_gpus, run_entry, security_from,
-                                        start_worker_forkserver, worker_preload)
+                                        start_worker_forkserver, worker_preload, dask_worker_preload)
 from hpc_garage.core.gpus import VARIABLES
 from hpc_garage.core.layout import WorkerSpec, pin_gpus, layout
 from hpc_garage.variables import CPUS_ENV
@@ -156,7 +156,7 @@ async def _serve(data: dict[str, Any], shape: JobShape, workers: list[JobWorker]
         Nanny(data["address"], name=w.name, nthreads=w.spec.nthreads, memory_limit=w.spec.memory_limit,
               resources=w.resources, env={**data["env"], **w.env}, security=security,
               protocol="tls" if security else "tcp", local_directory=local_directory(site.local_directory),
-              death_timeout=args.death_timeout, **where)
+              death_timeout=args.death_timeout, preload=dask_worker_preload(), **where)
         for w in workers
     ]
     loop = asyncio.get_running_loop()

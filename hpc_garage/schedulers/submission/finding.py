@@ -79,7 +79,8 @@ class JobView:
             word = "cancelled"
         if code is None:
             return f"{word} (exit code unknown)"
-        return word if code == 0 and word == "done" else f"{word} (exit {code})"
+        why = (self.state or {}).get("chain_ended")  # the sweep's chain of jobs ended here, and why (wind_down.py)
+        return word if code == 0 and word == "done" else f"{word} (exit {code}{f': {why}' if why else ''})"
 
     def sweep(self) -> dict[str, Any] | None:
         """The job's sweep (sweeps.summary), when hpc-garage submitted it, with its trials across the epoch's
