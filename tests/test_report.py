@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from hypothesis import given, strategies as st
 
-from hpc_garage.cluster.report import build, busy_and_gaps, plot, summary
+from hpc_garage.cluster.report import build, busy_and_gaps, summary
+from hpc_garage.cluster.report_plot import plot
 from hpc_garage.launchers.gpu_sampler import TrialFigures, open_reader
 from tests.conftest import outside_job_env
 

@@ -195,11 +195,13 @@ def logs(job_id: str, follow: bool, site_name: str | None) -> None:
 @click.option("--site", "site_name", help="Where to look for the job's run directory.")
 @click.option("--json", "as_json", is_flag=True, help="Print report.json as it is.")
 @click.option("--plot", "plot_file", type=click.Path(dir_okay=False),
-              help="Write a per-GPU timeline PNG, with each reporting trial's curve below it (needs the plot extra).")
+              help="Write a per-GPU timeline PNG, with each reporting trial's curve below it and a search's best "
+                   "value against GPU-hours (needs the plot extra).")
 def report(job_id: str, site_name: str | None, as_json: bool, plot_file: str | None) -> None:
     """Print the efficiency report of a job that ended: GPUs and workers allocated, busy and idle, memory, trials;
     where trials reported metrics, the best trial, those pruned and the GPU-seconds pruning saved (an estimate)."""
-    from hpc_garage.cluster.report import load, plot, summary, trial_curves
+    from hpc_garage.cluster.report import load, summary, trial_curves
+    from hpc_garage.cluster.report_plot import plot
     from hpc_garage.schedulers import submission
 
     view = submission.find(job_id, site_name)

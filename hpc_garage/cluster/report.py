@@ -10,8 +10,8 @@ with their worker and the scheduler's compute start/stop, the samplers' GPU figu
   mean and peak utilisation and peak device memory.
 `summary(report)` is the five lines `run` prints at the end and `hpc-garage report JOB` prints again, and where
 trials reported (`trial.report`) what they did: the best trial, pruned ones, what pruning saved (report.json's
-"metrics", cluster/trial_metrics.py); `plot(report, path, curves)` draws a per-GPU timeline and below it each
-reporting trial's curve (matplotlib, the `plot` extra). Plain Python: the CLI imports this module without Dask.
+"metrics", cluster/trial_metrics.py); `report_plot.plot` draws it (`trial_curves`: the trials' points for it).
+Plain Python: the CLI imports this module without Dask.
 """
 
 from __future__ import annotations
@@ -19,15 +19,13 @@ from __future__ import annotations
 import re
 import statistics
 from collections import defaultdict
-from pathlib import Path
 from typing import Any
 
 from hpc_garage.core.progress_text import search_text
 from hpc_garage.core.units import format_bytes
 from hpc_garage.files import read_json
 
-__all__ = ["TASK_RUN_ID", "build", "busy_and_gaps", "by_task_run", "load", "plot", "summary", "trial_curves",
-           "with_metrics"]
+__all__ = ["TASK_RUN_ID", "build", "busy_and_gaps", "by_task_run", "load", "summary", "trial_curves", "with_metrics"]
 
 TASK_RUN_ID = re.compile(r"-([0-9a-f]{32})$")  # a Prefect trial's Dask key: `<task name>-<task run id hex>`
 GPU_FIGURES = ("gpu_util_mean", "gpu_util_peak", "gpu_memory_peak")
@@ -192,109 +190,6 @@ def trial_curves(view: Any, report: dict[str, Any]) -> dict[str, list[tuple[floa
 
     run_dir = run_dir_of(view, REPORT_FILE)
     return curves(RunDir(run_dir), report["metrics"]) if run_dir is not None and report.get("metrics") else {}
-
-
-def plot(report: dict[str, Any], path: str | Path, curves: dict[str, list[tuple[float, float]]] | None = None) -> None:
-    """A timeline PNG: one row per GPU (per worker where there are none), a bar per trial, failed in red (and
-    where trials reported, pruned in orange, the best in green); with `curves` (trial_curves), below it each
-    reporting trial's metric by step: pruned ones dashed, the best drawn thick."""
-    import os
-
-    from hpc_garage.core.errors import UserError
-
-    try:
-        import matplotlib
-    except ImportError:
-        raise UserError("--plot needs matplotlib: pip install 'hpc-garage[plot]'") from None
-    if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-        raise UserError(f"--plot {path}: directory {os.path.dirname(os.path.abspath(path))} does not exist; create it first")
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    metrics = report.get("metrics") or {}
-    states = {str(t.get("run")): t["state"] for t in metrics.get("trials", [])}
-    best = (metrics.get("best") or {}).get("trial")
-    best_run = next((str(t.get("run")) for t in metrics.get("trials", []) if t["trial"] == best), None)
-
-    def color(trial: dict[str, Any]) -> str:
-        run = m.group(1) if (m := TASK_RUN_ID.search(trial["key"])) else None
-        return ("tab:red" if trial["failed"] else "tab:green" if run is not None and run == best_run
-                else "tab:orange" if states.get(run or "") == "pruned" else "tab:blue")
-
-    rows = [(f"{g['worker']} GPU {g['gpu']}", g["worker"]) for g in report["gpus"]] or [(w["worker"], w["worker"]) for w in report["workers"]]
-    timeline_height = 1 + 0.35 * len(rows)
-    if curves:
-        fig, (ax, panel) = plt.subplots(2, 1, figsize=(11, timeline_height + 4.5),
-                                        gridspec_kw={"height_ratios": [timeline_height, 4.5]})
-    else:
-        fig, ax = plt.subplots(figsize=(10, timeline_height))
-    for y, (label, worker) in enumerate(rows):
-        mine = [t for t in report["trials"] if t["worker"] == worker]
-        ax.broken_barh([(t["start"], t["duration_s"]) for t in mine], (y - 0.4, 0.8),
-                       facecolors=[color(t) for t in mine], edgecolor="white", linewidth=0.5)
-    ax.set_yticks(range(len(rows)), [label for label, _ in rows])
-    ax.set_xlabel("seconds since the run started")
-    ax.set_xlim(0, report["wall_s"])
-    ax.invert_yaxis()
-    what = "trials per GPU" if report["gpus"] else "trials per worker"
-    shown = {color(t) for t in report["trials"]}
-    key = [f"{name}: {word}" for name, word in (("blue", "ran"), ("orange", "pruned"), ("green", "best"),
-                                                 ("red", "failed")) if f"tab:{name}" in shown]
-    ax.set_title(f"{what} ({', '.join(key)})" if metrics else f"{what} (red: failed)")
-    if curves:
-        _curves(panel, metrics, curves)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def _curves(ax: Any, metrics: dict[str, Any], curves: dict[str, list[tuple[float, float]]]) -> None:
-    """Each reporting trial's metric by step: ran to the end solid blue, pruned dashed orange ending in an x,
-    unfinished dotted grey, the best thick green with its best point marked."""
-    from matplotlib.lines import Line2D
-    from matplotlib.ticker import MaxNLocator
-
-    from hpc_garage.core.progress_text import trial_label
-
-    rows = {t["trial"]: t for t in metrics.get("trials", [])}
-    best = metrics.get("best") or {}
-    look = {"done": ("tab:blue", "-"), "pruned": ("tab:orange", "--"), "running": ("tab:gray", ":")}
-    counts: dict[str, int] = defaultdict(int)
-    for trial, points in curves.items():
-        if trial == best.get("trial"):
-            continue
-        state = rows.get(trial, {}).get("state", "running")
-        counts[state] += 1
-        colour, style = look.get(state, look["running"])
-        steps, values = zip(*points)
-        ax.plot(steps, values, color=colour, linestyle=style, linewidth=1.1, alpha=0.65)
-        if state == "pruned":
-            ax.plot(steps[-1], values[-1], marker="x", color=colour, markersize=5, alpha=0.8)
-    handles = [Line2D([], [], color=look[s][0], linestyle=look[s][1], label=f"{label} ({counts[s]})")
-               for s, label in (("done", "ran to the end"), ("pruned", "pruned"), ("running", "did not end"))
-               if counts[s]]
-    metric = metrics.get("metric") or best.get("metric") or "value"
-    if (points := curves.get(best.get("trial", ""))) is not None:
-        steps, values = zip(*points)
-        name = trial_label(best["trial"], best.get("task"))
-        ax.plot(steps, values, color="tab:green", linewidth=2.6, zorder=5)
-        if best.get("step") is not None:
-            ax.plot(best["step"], best["value"], marker="o", color="tab:green", markersize=7, zorder=6)
-        handles.insert(0, Line2D([], [], color="tab:green", linewidth=2.6,
-                                 label=f"best: {name}, {metric} {best['value']:.4g}"
-                                       + (f" at step {best['step']}" if best.get("step") is not None else "")))
-    values = [v for points in curves.values() for _, v in points]
-    if values and min(values) > 0 and max(values) / min(values) > 100:
-        ax.set_yscale("log")
-    ax.set_xlabel("step")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
-    ax.set_ylabel(metric)
-    better = "higher" if metrics.get("mode") == "max" else "lower"
-    ax.set_title(f"{metric} per trial ({better} is better"
-                 + (f"; pruner {metrics['pruner']}" if metrics.get("pruner") else "") + ")")
-    ax.grid(True, alpha=0.3)
-    ax.legend(handles=handles, loc="best", fontsize="small", framealpha=0.9)
 
 
 def _label(row: dict[str, Any]) -> str:

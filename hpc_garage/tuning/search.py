@@ -96,7 +96,8 @@ class Search:
     def summary(self) -> dict[str, Any]:
         """For status, the report and the leaderboard (JSON)."""
         best = self.best
-        return {"study": self.study.study_name, "metric": self.metric, "stopped": self.stopped,
+        return {"study": self.study.study_name, "metric": self.metric,
+                "mode": "max" if self.study.direction.name == "MAXIMIZE" else "min", "stopped": self.stopped,
                 "workers": self.workers, **self.counts(), "gpu_hours": round(self.gpu_seconds / 3600, 4),
                 "budget_gpu_hours": None if self.budget_seconds is None else round(self.budget_seconds / 3600, 4),
                 "best": None if best is None else {"number": best.number, "params": best.params, "value": best.value}}
