@@ -203,7 +203,7 @@ def _search(ax: Any, progress: SearchProgress) -> None:
 
     points, metric = progress.points, progress.metric
     scored = [p for p in points if p.best is not None]
-    handles = []
+    handles: list[Any] = []
     if scored:
         ax.plot([p.gpu_hours for p in scored], [p.best for p in scored], drawstyle="steps-post", color="tab:green",
                 linewidth=2.2, zorder=4)
@@ -212,7 +212,8 @@ def _search(ax: Any, progress: SearchProgress) -> None:
     if done:
         ax.plot([p.gpu_hours for p in done], [p.value for p in done], "o", color="tab:blue", markersize=4,
                 alpha=0.6, zorder=3)
-        handles.append(Line2D([], [], color="tab:blue", marker="o", linestyle="", label=f"ran to the end ({len(done)})"))
+        handles.append(Line2D([], [], color="tab:blue", marker="o", linestyle="",
+                              label=f"ran to the end ({len(done)})"))
     first = scored[0].best if scored else None
     marks = (("pruned", "tab:orange", "x"), ("failed", "tab:red", "x"), ("interrupted", "tab:gray", "+"),
              ("done", "tab:gray", "."))  # done without a value: it did not report the metric
@@ -231,21 +232,23 @@ def _search(ax: Any, progress: SearchProgress) -> None:
     used = points[-1].gpu_hours if points else 0.0
     if progress.budget_gpu_hours is not None:
         ax.axvline(progress.budget_gpu_hours, color="tab:red", linestyle="--", linewidth=1.2)
-        handles.append(Line2D([], [], color="tab:red", linestyle="--", label=f"budget {progress.budget_gpu_hours:.4g} GPUh"))
+        handles.append(Line2D([], [], color="tab:red", linestyle="--",
+                              label=f"budget {progress.budget_gpu_hours:.4g} GPUh"))
     ax.set_xlim(0, max(used, progress.budget_gpu_hours or 0.0) * 1.03 or 1.0)
-    values = [p.value for p in done]
+    values = [p.value for p in done if p.value is not None]
     if values and min(values) > 0 and max(values) / min(values) > 100:
         ax.set_yscale("log")
     ax.set_xlabel("GPU-hours used by the job's trials, as they ended")
-    ax.set_ylabel(metric)
     better = "higher" if progress.mode == "max" else "lower"
     if progress.best is None:
-        title = f"search: no trial of this job ran to the end with {metric}"
+        ax.set_yticks([])  # no value to read off: the trials along the GPU-hours only
+        title = f"search: no trial of this job ran to the end and reported {metric}"
     else:
         at = next(p.gpu_hours for p in points if p.best == progress.best)
         title = f"search: best {metric} {progress.best:.4g} after {at:.3g} GPUh ({better} is better)"
     if progress.study_best is not None and progress.study_best != progress.best:
         title += f"; the study's best (all jobs) {progress.study_best:.4g}"
+    ax.set_ylabel(metric)
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
     if handles:
