@@ -204,7 +204,10 @@ def test_a_cancelled_search_resumes_with_as_many_told_trials_as_asked_none_twice
         found = list((tmp_path / "runs" / "sweeps").glob("*/*/search.journal"))
         if not found:
             return None
-        return optuna.load_study(study_name="search", storage=JournalStorage(JournalFileBackend(str(found[0]))))
+        try:
+            return optuna.load_study(study_name="search", storage=JournalStorage(JournalFileBackend(str(found[0]))))
+        except KeyError:  # the journal is there, its study not yet (Optuna opens the file, then appends the study)
+            return None
 
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
