@@ -190,6 +190,8 @@ def test_a_heartbeat_that_fails_as_its_worker_closes_is_one_info_line_and_one_th
     While its worker closes: INFO, no traceback; while it runs: untouched. Every worker hpc-garage starts has
     the filter (its preload, launchers/worker_setup.py), in its own process."""
     import logging
+    import os
+    from unittest import mock
 
     from distributed import Client, Nanny, Scheduler, Worker
 
@@ -224,7 +226,8 @@ def test_a_heartbeat_that_fails_as_its_worker_closes_is_one_info_line_and_one_th
             closing = heartbeat_fails(log)
         return running, closing, in_workers
 
-    running, closing, in_workers = asyncio.run(scenario())
+    with mock.patch.dict(os.environ):  # a Nanny sets its pre-spawn variables here (PYTHONHASHSEED): not for later tests
+        running, closing, in_workers = asyncio.run(scenario())
     assert running.levelno == logging.ERROR and running.exc_info is not None  # a worker that runs: as it was
     assert closing.levelno == logging.INFO and closing.exc_info is None
     assert closing.getMessage() == HEARTBEAT_FAILED + "."
