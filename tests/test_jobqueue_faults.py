@@ -138,8 +138,9 @@ def test_workers_at_the_end_of_their_jobs_retire_between_trials_and_keep_their_r
 
 def test_a_worker_job_scancelled_mid_trial_runs_that_trial_again_once_elsewhere(tmp_path: Path) -> None:
     env = write_site(tmp_path / "sites", "jq-cancel", "00:10:00", jobs=2)
-    # trials of 8 s: on CI's loaded cores a scancel took over 3 s to land, and a 4-s victim had finished by then
-    count, duration = 12, 8.0
+    # trials of 20 s: on CI's loaded cores a scancel took over 3 s to land, and a 4-s victim had finished by then;
+    # in a full run here (proof 14) over 7 s, and an 8-s victim finished in its worker's own graceful close
+    count, duration = 12, 20.0
     proc, marks, out = start_trials(tmp_path, "jq-cancel", env, count, duration, keep="release")
     deadline = time.time() + 120
     victim = None

@@ -43,10 +43,10 @@ from hpc_garage.launchers.jobqueue.scaling import (
 )
 
 
-def shape() -> JobShape:
-    site = parse_site_dict({"name": "t", "scheduler": "slurm", "launcher": "jobqueue", "walltime": "02:00:00",
+def shape(walltime: str = "02:00:00", **jobqueue: object) -> JobShape:
+    site = parse_site_dict({"name": "t", "scheduler": "slurm", "launcher": "jobqueue", "walltime": walltime,
                             "node": {"cores": 8, "memory": "16GiB", "gpus": 0}, "workers": {"per": "node"},
-                            "jobqueue": {"jobs": 1, "gpus_per_job": 0}})
+                            "jobqueue": {"jobs": 1, "gpus_per_job": 0, **jobqueue}})
     return next(iter(job_shapes(site).values()))
 
 
@@ -86,6 +86,13 @@ def test_a_job_stops_taking_tasks_a_drain_window_before_it_retires_and_is_replac
     assert not drains(rec, s, end - window - 1, window) and drains(rec, s, end - window, window)
     rec.state = JobState.EXPIRING  # its replacement is there: it drains all the same
     assert drains(rec, s, end - window, window)
+    # a short lifetime, whose half (`ahead`'s cap) is less than the drain window: the job is replaced when it
+    # drains, in the same step, not after (proof 14 saw one drain with no replacement submitted ahead)
+    short = shape("00:01:30", lifetime_margin="78s", lifetime_stagger=0)  # 12-s lives: `ahead` is at most 6 s
+    late, window = running(started_at=100.0), drain_window(longest_task=1.0)  # 6.5 s
+    end = retires_at(late, short, now=0.0)
+    assert ahead(short, 0.0, window) == 6.0 and drains(late, short, end - window, window)
+    assert expiring(late, short, end - window, 0.0, window)
     for state in (JobState.DRAINING, JobState.RETIRING, JobState.PENDING):
         rec.state = state
         assert not drains(rec, s, end, window)

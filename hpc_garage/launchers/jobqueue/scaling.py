@@ -148,9 +148,10 @@ def ahead(shape: JobShape, queue_wait: float, window: float = 0.0) -> float:
 
 def expiring(rec: JobRecord, shape: JobShape, now: float, queue_wait: float, window: float = 0.0,
              life: int | None = None) -> bool:
-    """Whether a running job is now to be replaced, before its workers' lifetime ends."""
-    return rec.state == JobState.RUNNING and now >= retires_at(rec, shape, now, life) - ahead(shape, queue_wait,
-                                                                                              window)
+    """Whether a running job is now to be replaced, before its workers' lifetime ends; at the latest when it
+    drains (`ahead` is at most half the lifetime: a short one's drain window is longer)."""
+    end = retires_at(rec, shape, now, life)
+    return rec.state == JobState.RUNNING and now >= end - max(ahead(shape, queue_wait, window), window)
 
 
 def drains(rec: JobRecord, shape: JobShape, now: float, window: float, life: int | None = None) -> bool:
