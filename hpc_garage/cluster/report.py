@@ -25,7 +25,8 @@ from hpc_garage.core.progress_text import search_text
 from hpc_garage.core.units import format_bytes
 from hpc_garage.files import read_json
 
-__all__ = ["TASK_RUN_ID", "build", "busy_and_gaps", "by_task_run", "load", "summary", "trial_curves", "with_metrics"]
+__all__ = ["TASK_RUN_ID", "build", "busy_and_gaps", "by_task_run", "load", "summary", "task_run_of", "trial_curves",
+           "with_metrics"]
 
 TASK_RUN_ID = re.compile(r"-([0-9a-f]{32})$")  # a Prefect trial's Dask key: `<task name>-<task run id hex>`
 GPU_FIGURES = ("gpu_util_mean", "gpu_util_peak", "gpu_memory_peak")
@@ -177,9 +178,14 @@ def with_metrics(report: dict[str, Any], rundir: Any) -> dict[str, Any]:
     return report
 
 
+def task_run_of(trial: dict[str, Any]) -> str | None:
+    """A timeline trial's Prefect task run id (hex), from its Dask key: what trials.json calls a trial's `run`."""
+    return m.group(1) if (m := TASK_RUN_ID.search(str(trial.get("key", "")))) else None
+
+
 def by_task_run(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """The report's Prefect trials by their task run id (hex): what trials.json calls a trial's `run`."""
-    return {m.group(1): t for t in report.get("trials", []) if (m := TASK_RUN_ID.search(str(t.get("key", ""))))}
+    """The report's Prefect trials by their task run id (task_run_of)."""
+    return {run: t for t in report.get("trials", []) if (run := task_run_of(t)) is not None}
 
 
 def trial_curves(view: Any, report: dict[str, Any]) -> dict[str, list[tuple[float, float]]]:

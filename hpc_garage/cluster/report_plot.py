@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpc_garage.cluster.report import TASK_RUN_ID
+from hpc_garage.cluster.report import task_run_of
 
 __all__ = ["SearchPoint", "SearchProgress", "plot", "search_progress"]
 
@@ -68,7 +68,7 @@ def search_progress(report: dict[str, Any]) -> SearchProgress | None:
     reported = {str(row.get("run")): row for row in metrics.get("trials", []) if row.get("run")}
     used, best, points = 0.0, None, []
     for trial in sorted(report["trials"], key=lambda t: t["start"] + t["duration_s"]):
-        run = m.group(1) if (m := TASK_RUN_ID.search(str(trial.get("key", "")))) else ""
+        run = task_run_of(trial) or ""
         row = reported.get(run, {})
         used += trial["duration_s"] * max(len(trial.get("gpus") or ()), 1) / 3600
         state = ("failed" if trial["failed"] or row.get("state") == "failed"
@@ -111,7 +111,7 @@ def plot(report: dict[str, Any], path: str | Path,
     best_run = next((str(t.get("run")) for t in metrics.get("trials", []) if t["trial"] == best), None)
 
     def color(trial: dict[str, Any]) -> str:
-        run = m.group(1) if (m := TASK_RUN_ID.search(trial["key"])) else None
+        run = task_run_of(trial)
         return ("tab:red" if trial["failed"] else "tab:green" if run is not None and run == best_run
                 else "tab:orange" if states.get(run or "") == "pruned" else "tab:blue")
 
