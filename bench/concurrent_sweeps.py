@@ -86,8 +86,11 @@ def run_pair(database: str, tasks: int, home: Path | None = None, timeout: float
     flows = []
     for i, (out, _, _) in enumerate(sweeps):
         record = json.loads(out.read_text()) if out.exists() else {"state": "NO RESULT"}
-        counts = task_run_counts(api, record.get("flow_run_id")) if record.get("flow_run_id") else {}
+        flow_run_id = record.get("flow_run_id")
         text = (home / f"sweep-{i}.log").read_text(errors="replace")
+        if flow_run_id in (None, "None"):  # the flow never had a run at the API: say why, ask the API nothing
+            record["log_tail"] = text.splitlines()[-15:]
+        counts = task_run_counts(api, flow_run_id) if flow_run_id not in (None, "None") else {}
         flows.append({**record, "exit": codes[i], "task_runs": counts,
                       "retryable_lines": sum(1 for line in text.splitlines() if RETRYABLE.search(line))})
     server_log = Path(status["log"]).read_text(errors="replace")

@@ -453,6 +453,11 @@ def test_a_worker_killed_and_restarted_submits_no_flow_run_twice(garage: Garage)
         time.sleep(0.2)
     garage.worker.send_signal(signal.SIGKILL)
     garage.worker.wait(10)
+    # as if the kill had landed between sbatch and Prefect keeping the job as the run's infrastructure pid
+    # (CI, proof 16): the next worker follows the job and keeps it there itself
+    submitted = next(r for r in runs if garage.flow_run(r)["infrastructure_pid"])
+    garage.call("PATCH", f"/flow_runs/{submitted}", {"infrastructure_pid": None})
+    assert garage.flow_run(submitted)["infrastructure_pid"] is None
     garage.start_worker()
     for flow_run_id in runs:
         run = garage.wait(flow_run_id, lambda r: r["state_type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"),

@@ -345,6 +345,8 @@ class PoolWorker(BaseWorker[GarageJobConfiguration, GarageVariables, GarageResul
     async def _take_up_one(self, run: Any, claim: dict[str, Any]) -> None:
         try:
             self.get_flow_run_logger(run).info(f"worker {self.name!r} follows job {claim['job_id']}")
+            if str(run.infrastructure_pid or "") != str(claim["job_id"]):  # its worker died before Prefect kept it
+                await self.client.update_flow_run(flow_run_id=run.id, infrastructure_pid=str(claim["job_id"]))
             await self._follow(run, str(claim["job_id"]), str(claim.get("site") or ""))
         finally:
             self._mine.discard(str(run.id))
