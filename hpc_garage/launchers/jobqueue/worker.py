@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import datetime
 import json
 import logging
 import os
@@ -164,6 +165,10 @@ async def _serve(data: dict[str, Any], shape: JobShape, workers: list[JobWorker]
 
     def stop(sig: int) -> None:  # scancel/qdel, or the walltime
         stopping.append(sig)
+        # when it arrived, to the millisecond: the batch system's own line has whole seconds, and a signal can
+        # reach a job seconds after scancel on a busy node
+        at = datetime.datetime.now().isoformat(timespec="milliseconds")
+        logger.info(f"got {signal.Signals(sig).name} at {at}: killing this job's worker processes")
         end_workers(nannies, f"worker job got signal {sig}")
 
     def last_resort() -> None:
