@@ -13,6 +13,7 @@ from prefect import task
 from prefect.cache_policies import DEFAULT, INPUTS, NO_CACHE
 
 from hpc_garage.prefect.sweep_cache import SweepScope, SweepTasks
+from hpc_garage.core.sweep import SOURCES_DIR
 from hpc_garage.sweeps import source_changes
 from hpc_garage.variables import RESULTS_ENV, SWEEP_ENV
 
@@ -134,6 +135,8 @@ def test_in_one_epoch_finished_trials_are_read_back_and_opt_outs_run_again(tmp_p
 
     assert (runs("cached"), runs("uncached"), runs("refreshed")) == (3, 4, 4)
     assert source_changes(results) == {}  # ran again by choice (refresh_cache), not because its source changed
+    noted = sorted(p.name for p in (results / SOURCES_DIR).iterdir())  # one file per task name, none per trial
+    assert 1 <= len(noted) <= 2 and all(name.startswith("task-") for name in noted), noted
     script.write_text(FLOW.replace("SOURCE_MARK", "2"))  # the task's source changed: its cache misses
     assert "RESULT 8" in _run_flow(script, marks, results)
     assert runs("cached") == 6

@@ -11,7 +11,7 @@ Honoured as Prefect defines them: `cache_policy=NO_CACHE` or `persist_result=Fal
 `refresh_cache=True` (run again, result replaced), a task's own `cache_policy`/`cache_key_fn` (kept; its
 result is still stored on the shared results directory unless it names a storage of its own). A task whose
 source changed misses the cache: TASK_SOURCE is part of the key; `SweepPolicy` notes it (the epoch's
-`.sources/` holds the source each task name + inputs last ran with), so `status` can say which trials ran again
+`.sources/` holds the sources each task name ran with), so `status` can say which trials ran again
 because their source changed.
 """
 
@@ -34,7 +34,7 @@ from hpc_garage.cluster.stopping import note_trial
 from hpc_garage.cluster.stopping import trial as note_of
 from hpc_garage.compat import cache_policy_unset
 from hpc_garage.core.sweep import SOURCE_CHANGES, SOURCES_DIR, TRIALS_DIR
-from hpc_garage.files import append_private, write_private
+from hpc_garage.files import append_private
 from hpc_garage.variables import RESULTS_ENV, SWEEP_ENV
 
 __all__ = ["SweepPolicy", "SweepScope", "SweepTasks", "sweep_policy", "trial_key"]
@@ -63,37 +63,60 @@ class SweepPolicy(CompoundCachePolicy):
                     **kwargs: Any) -> str | None:
         keys = [(policy, policy.compute_key(task_ctx=task_ctx, inputs=inputs, flow_parameters=flow_parameters,
                                             **kwargs)) for policy in self.policies]
-        if self.results and task_ctx is not None:
-            by_kind = {type(policy): key for policy, key in keys}
-            note_source(Path(self.results), task_ctx.task.name, by_kind.get(TaskSource), by_kind.get(Inputs))
         found = [key for _, key in keys if key is not None]
         key = hash_objects(*found, raise_on_failure=True) if found else None
+        if self.results and task_ctx is not None and key is not None:
+            note_source(Path(self.results), task_ctx.task.name, keys, key)
         if key is not None and getattr(task_ctx, "task_run", None) is not None:  # its checkpoint dir, its record
             note_trial(task_ctx.task_run.id.hex, key, task_ctx.task.name)
         return key
 
 
-def note_source(results: Path, task_name: str, source: str | None, inputs: str | None) -> None:
-    """Remember the source this trial (task name + inputs) runs with; a different one remembered means its
-    cached result misses and it runs again: one line in SOURCE_CHANGES. Never fails the trial."""
+_known_sources: dict[tuple[Path, str], set[str]] = {}  # (results, task name) -> its sources in that epoch
+
+
+def note_source(results: Path, task_name: str, keys: list[tuple[Any, str | None]], key: str) -> None:
+    """Note a trial that runs again because its task's source changed: one line in SOURCE_CHANGES. The epoch's
+    `.sources/` holds each task's sources (one file per task name, a line per source); while a task has had
+    one source, a trial costs no file operation (a sweep of 100,000 trials wrote 100,000 files before). Once
+    it has had several, a trial whose result under another source exists, and under this one does not, ran
+    again because of it. Never fails the trial."""
     try:
-        trial = hash_objects(task_name, inputs)
-        if source is None or trial is None:
+        source = next((k for policy, k in keys if isinstance(policy, TaskSource)), None)
+        if source is None:
             return
-        known = results / SOURCES_DIR / trial
-        try:
-            before = known.read_text()
-        except FileNotFoundError:
-            before = None
-        if before == source:
+        known = _sources_of(results, task_name, source)
+        if len(known) < 2 or (results / key).exists():
             return
-        if before is not None:
-            change = {"task": task_name, "trial": trial, "at": time.time()}
-            append_private(results / SOURCE_CHANGES, [json.dumps(change)])
-        known.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        write_private(known, source)  # whole, for a reader in another job
+        for other in known - {source}:
+            before = hash_objects(*[other if isinstance(policy, TaskSource) else k for policy, k in keys
+                                    if k is not None], raise_on_failure=True)
+            if (results / before).exists():
+                inputs = next((k for policy, k in keys if isinstance(policy, Inputs)), None)
+                change = {"task": task_name, "trial": hash_objects(task_name, inputs), "at": time.time()}
+                append_private(results / SOURCE_CHANGES, [json.dumps(change)])
+                return
     except Exception:  # noqa: BLE001 - bookkeeping for `status`; the trial itself must not depend on it
         return
+
+
+def _sources_of(results: Path, task_name: str, source: str) -> set[str]:
+    """The sources `task_name` has run with in this epoch, `source` among them (read once per process, and
+    again only when a source is new to it)."""
+    known = _known_sources.get((results, task_name))
+    if known is not None and source in known:
+        return known
+    path = results / SOURCES_DIR / f"task-{hash_objects(task_name)}"
+    try:
+        known = set(path.read_text().split())
+    except FileNotFoundError:
+        known = set()
+    if source not in known:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        append_private(path, [source])
+        known.add(source)
+    _known_sources[(results, task_name)] = known
+    return known
 
 
 def task_context() -> Any:
