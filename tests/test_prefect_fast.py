@@ -36,6 +36,36 @@ def test_a_longer_cache_of_prefects_own_is_left_alone(monkeypatch) -> None:  # n
     assert services._no_limits_cache is longer
 
 
+def test_a_cached_no_limits_answer_is_read_in_the_tasks_own_thread(monkeypatch) -> None:  # noqa: ANN001
+    """Prefect's sync `concurrency()` (the task engine's) gets "no limits" from Prefect's own cache without
+    hopping threads; whatever the cache does not hold (or a strict or non-task acquisition) takes Prefect's path."""
+    import uuid
+
+    import cachetools
+    from prefect.client.schemas.objects import ConcurrencyLeaseHolder
+    from prefect.concurrency import _sync
+
+    from hpc_garage import compat
+
+    asked: list[list[str]] = []
+    monkeypatch.setattr(_sync, "acquire_concurrency_slots_with_lease", lambda names, *a, **k: asked.append(names))
+    monkeypatch.setattr(_sync, "_hpc_garage_in_thread", False, raising=False)
+    monkeypatch.setattr(services, "_no_limits_cache", cachetools.TTLCache(maxsize=10, ttl=60))
+    assert compat.answer_cached_tag_limits_in_thread() is True
+    assert compat.answer_cached_tag_limits_in_thread() is True and asked == []  # installed once
+    task_run = ConcurrencyLeaseHolder(type="task_run", id=uuid.uuid4())
+    services._no_limits_cache[frozenset(["tag:a", "tag:b"])] = True
+    with _sync.concurrency(["tag:b", "tag:a"], holder=task_run):
+        pass
+    assert asked == []  # answered here, from Prefect's cache
+    answer = _sync.acquire_concurrency_slots_with_lease(["tag:a", "tag:b"], 1, holder=task_run)
+    assert answer.limits == [] and answer.lease_id
+    _sync.acquire_concurrency_slots_with_lease(["tag:c"], 1, holder=task_run)  # not cached
+    _sync.acquire_concurrency_slots_with_lease(["tag:a", "tag:b"], 1, strict=True, holder=task_run)
+    _sync.acquire_concurrency_slots_with_lease(["tag:a", "tag:b"], 1, holder=None)  # not a task run's tags
+    assert asked == [["tag:c"], ["tag:a", "tag:b"], ["tag:a", "tag:b"]]
+
+
 @pytest.mark.slow  # a real Prefect server (fixture `api`)
 def test_a_tagged_task_asks_nothing_while_prefect_has_its_tags_cached(api: dict[str, str], monkeypatch) -> None:  # noqa: ANN001
     """compat.tag_limits_survive_outages probes the API (/health) only where Prefect's own "no limits for these

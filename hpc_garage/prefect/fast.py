@@ -53,8 +53,9 @@ import prefect
 import prefect.context
 from prefect.context import SettingsContext, SyncClientContext, serialize_context
 
-from hpc_garage.compat import (VERIFIED, context_var, deployment_context, has_context_vars, has_deployment_context,
-                               in_range, stretch_no_tag_limits_cache, tag_limits_survive_outages)
+from hpc_garage.compat import (VERIFIED, answer_cached_tag_limits_in_thread, context_var, deployment_context,
+                               has_context_vars, has_deployment_context, in_range, stretch_no_tag_limits_cache,
+                               tag_limits_survive_outages)
 from hpc_garage import log
 from hpc_garage.variables import PREFECT_FAST, switch
 
@@ -317,6 +318,7 @@ def trust_no_tag_limits_longer(ttl: float = TAG_LIMITS_TTL) -> bool:
     _tuned.append(True)
     log.setup()  # once per worker process, at its first task: its lines reach the job log
     tag_limits_survive_outages(is_outage_error, api_answers, logger.info, bypassed)
+    answer_cached_tag_limits_in_thread(bypassed)
     return stretch_no_tag_limits_cache(ttl)
 
 
