@@ -93,7 +93,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    if "slurm" in item.keywords and (why := slurm_reachable()):
+    if item.get_closest_marker("slurm") and (why := slurm_reachable()):  # a marker, not a parameter's id
         if os.environ.get("CI") == "true":
             pytest.fail(f"SLURM test cannot run under CI: {why} (scripts/local-slurm up should have started it)")
         pytest.skip(f"no SLURM reachable: {why}; run scripts/local-slurm up")

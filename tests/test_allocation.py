@@ -10,7 +10,7 @@ import pytest
 from hpc_garage.core.allocation import Allocation
 from hpc_garage.core.request import Request
 from hpc_garage.core.errors import AllocationError
-from hpc_garage.schedulers import allocation_from_env
+from hpc_garage.schedulers import allocation_from_env, detect
 from hpc_garage.schedulers.pbs import Pbs, parse_qstat_f
 from hpc_garage.schedulers.hostlist import expand_counts, expand_hostlist
 from hpc_garage.sites import load_site
@@ -219,7 +219,10 @@ def test_pbs_torque_gpufile_and_ppn(tmp_path: Path) -> None:
 def test_pbs_from_the_local_torque_wrapper(tmp_path: Path) -> None:
     env = {k: v for k, v in dump("pbs-qsub.env").items() if not k.startswith("SLURM")}
     env |= pbs_env(tmp_path, ["node1", "node1"], NCPUS="2", CUDA_VISIBLE_DEVICES="0,1")  # naccelerators=2
-    a = allocation_from_env(load_site("lab-pbs"), env | {"PBS_JOBID": env["PBS_JOBID"]})
+    assert isinstance(detect(env, prefer="pbs"), Pbs)
+    # the job has ended: `qstat -f` knows it no more (asked for real, it answers so at once, or after 9 s
+    # where no controller answers)
+    a = Pbs().allocation_from_env(env | {"PBS_JOBID": env["PBS_JOBID"]}, load_site("lab-pbs"), qstat_f=lambda job: "")
     assert a.source == "pbs" and a.nodes[0].cores == 2 and a.nodes[0].host == "node1"
     assert a.nodes[0].gpus == ("0", "1")
 

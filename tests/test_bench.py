@@ -344,3 +344,21 @@ def test_server_cost_bench_subtracts_the_idle_servers_cpu_and_judges_the_managed
     assert [f["met"] for f in cpu] == [False, None]  # the goal (<= 4 ms) is the managed server's only
     assert cpu[0]["label"] == VARIANTS["managed"][0] and cpu[0]["ours"] and not cpu[1]["ours"]
     assert [f["values"] for f in result["figures"] if f["unit"] == "MB"] == [[950.0], [950.0]]
+
+
+def test_process_cpu_bench_judges_each_kind_with_hooks_on_against_bypassed_from_the_same_runs() -> None:
+    from bench.process_cpu import KINDS, section
+
+    def row(hooks: str, seconds: float, workers: float, right: bool = True) -> dict:
+        return {"hooks": hooks, "right": right, "seconds": seconds,
+                "cpu_s": {"workers": workers, "server": 40.0, "scheduler": 17.0, "flow": 12.0}}
+
+    rows = [row("on", 47.0, 39.0), row("bypassed", 56.0, 49.0), row("on", 50.0, 41.0), row("bypassed", 54.0, 47.0),
+            row("on", 1.0, 1.0, right=False)]  # a run whose result was wrong counts for nothing
+    figures = {(f["group"].split(": ", 1)[1], f["label"]): f for f in section(rows, 3000)["figures"]}
+    assert len(figures) == 2 * (1 + len(KINDS))
+    workers = figures[("CPU of the workers", "hpc-garage (worker hooks on)")]
+    assert workers["values"] == [39.0, 41.0] and workers["median"] == 40.0 and workers["met"] is True
+    assert workers["ratios"] == {"Prefect's own path (bypassed)": 40.0 / 48.0}
+    server = figures[("CPU of the server", "hpc-garage (worker hooks on)")]
+    assert server["met"] is False  # the same: not less

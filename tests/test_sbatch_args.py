@@ -152,7 +152,10 @@ def test_partition_picks_the_one_slurm_site(only_my_sites: Path) -> None:
     assert site_for(parse(["-p", "gpu", "x.py"])) == "b"
 
 
-def test_ambiguous_partition_lists_candidates(only_my_sites: Path) -> None:
+def test_ambiguous_partition_lists_candidates(only_my_sites: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a login node without SLURM's commands: sinfo cannot tell the two apart (with them but no controller
+    # answering, sinfo gives up after 9 s here, the same way)
+    monkeypatch.setenv("PATH", str(only_my_sites))
     write_site(only_my_sites, "a", "slurm", "cpu")
     write_site(only_my_sites, "b", "slurm", "cpu")
     with pytest.raises(UserError, match=r"-p cpu: 2 SLURM sites use it \(a, b\); pick one with --site NAME"):
