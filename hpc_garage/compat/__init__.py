@@ -22,14 +22,15 @@ from hpc_garage.compat.distributed import (attached_spec_cluster, correct_state,
                                            pause_workers, replace_valid_workers, run_on_workers, scheduler_at,
                                            skip_forkserver_optional_preload)
 from hpc_garage.compat.dask_jobqueue import hooked_job
-from hpc_garage.compat.prefect import (answer_cached_tag_limits_in_thread, before_exit_drains, cache_policy_unset, context_var, deployment_context,
-                                       has_context_vars, has_deployment_context, keep_flow_states, queued_log,
-                                       rebuild_context_models, stretch_no_tag_limits_cache, tag_limits_survive_outages,
-                                       take_queued, unconfirmed_events)
+from hpc_garage.compat.prefect import (answer_cached_tag_limits_in_thread, before_exit_drains, cache_policy_unset,
+                                       context_var, deployment_context, has_context_vars, has_deployment_context,
+                                       keep_flow_states, queued_log, rebuild_context_models, stretch_no_tag_limits_cache,
+                                       tag_limits_survive_outages, take_queued, unconfirmed_events)
 from hpc_garage.compat.prefect_dask import (dask_futures, release_future, releasing_future_class, runner_has_cluster,
                                             runner_started)
 
-__all__ = ["USES", "VERIFIED", "CompatError", "Use", "answer_cached_tag_limits_in_thread", "at_least", "attached_spec_cluster", "before_exit_drains", "executing_now",
+__all__ = ["USES", "VERIFIED", "CompatError", "Use", "answer_cached_tag_limits_in_thread", "at_least",
+           "attached_spec_cluster", "before_exit_drains", "executing_now",
            "cache_policy_unset", "context_var", "correct_state", "dask_futures", "deployment_context",
            "has_context_vars", "has_deployment_context", "hold_pause", "hooked_job", "in_range", "installed_versions",
            "keep_flow_states", "main", "newest_release", "pause_workers", "quiet_expected_closes", "queued_log", "rebuild_context_models",

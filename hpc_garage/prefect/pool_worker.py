@@ -346,7 +346,11 @@ class PoolWorker(BaseWorker[GarageJobConfiguration, GarageVariables, GarageResul
         try:
             self.get_flow_run_logger(run).info(f"worker {self.name!r} follows job {claim['job_id']}")
             if str(run.infrastructure_pid or "") != str(claim["job_id"]):  # its worker died before Prefect kept it
-                await self.client.update_flow_run(flow_run_id=run.id, infrastructure_pid=str(claim["job_id"]))
+                try:
+                    await self.client.update_flow_run(flow_run_id=run.id, infrastructure_pid=str(claim["job_id"]))
+                except Exception as exc:  # noqa: BLE001 - the API is away: follow the job anyway, keep it next time
+                    logger.warning("hpc-garage worker: flow run %s: could not record job %s (%s)", run.id,
+                                   claim["job_id"], exc)
             await self._follow(run, str(claim["job_id"]), str(claim.get("site") or ""))
         finally:
             self._mine.discard(str(run.id))
