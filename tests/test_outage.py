@@ -63,7 +63,8 @@ def test_an_outage_is_probed_only_once_seen_or_before_a_final_state(fresh: dict[
 
 def state(kind: str = "COMPLETED", final: bool = True) -> Any:
     return SimpleNamespace(type=SimpleNamespace(value=kind), name=kind.title(), message="done", is_final=lambda: final,
-                           timestamp=datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc))
+                           timestamp=datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc),
+                           state_details=SimpleNamespace(flow_run_id=None))
 
 
 def test_a_flow_runs_state_is_kept_when_the_api_is_gone_and_the_run_directory_says_so(
@@ -79,6 +80,9 @@ def test_a_flow_runs_state_is_kept_when_the_api_is_gone_and_the_run_directory_sa
     done = state()
     assert propose_state(None, done, flow_run_id="run-1") is done  # kept, not raised: the flow ends in its state
     assert calls == [done] and outage_module.outage.down and outage_module.outage.kept_states == ["COMPLETED"]
+    # its run named in it, as the server would have: `flow(..., return_state=True)`'s caller reads it there (a
+    # bench under CI's load asked the API about flow run "None")
+    assert done.state_details.flow_run_id == "run-1"
     fresh["answers"] = False
     assert propose_state(None, state("FAILED"), flow_run_id="run-1").type.value == "FAILED"
     assert len(calls) == 1  # known down: the next proposal is kept without a minute of retries

@@ -130,6 +130,9 @@ class ApiOutage:
                     "state is not recorded there")
         _note_unrecorded({"flow_run_id": str(flow_run_id), "flow_run_state": state.type.value})
         _keep_flow_state(str(flow_run_id), state)
+        details = getattr(state, "state_details", None)
+        if details is not None and getattr(details, "flow_run_id", None) is None:
+            details.flow_run_id = flow_run_id  # as the server fills it in: the flow's caller reads its run there
         return state
 
 
