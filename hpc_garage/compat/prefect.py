@@ -100,7 +100,10 @@ def answer_cached_tag_limits_in_thread(bypassed: Callable[[], bool] = lambda: Fa
             or not callable(getattr(services, "_should_use_cache", None)) \
             or not hasattr(getattr(services, "_no_limits_cache", None), "get") or not hasattr(services, "_cache_lock"):
         return False
-    from prefect.client.schemas.responses import ConcurrencyLimitWithLeaseResponse
+    try:
+        from prefect.client.schemas.responses import ConcurrencyLimitWithLeaseResponse
+    except ImportError:
+        return False
 
     def acquire(names: list[str], slots: int, *args: Any, **kwargs: Any) -> Any:
         holder = kwargs.get("holder", args[5] if len(args) > 5 else None)
