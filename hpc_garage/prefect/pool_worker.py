@@ -98,6 +98,17 @@ class GarageResult(BaseWorkerResult):
     """How a followed job ended for Prefect: 0 once hpc-garage has set the flow run's final state."""
 
 
+async def _keep_job_as_pid(client: Any, run: Any, job_id: str) -> None:
+    """The job as the flow run's infrastructure pid, where its worker died before Prefect kept it there (Prefect's
+    cancel needs it); the API away: a warning, and the job is followed anyway."""
+    if str(run.infrastructure_pid or "") == job_id:
+        return
+    try:
+        await client.update_flow_run(flow_run_id=run.id, infrastructure_pid=job_id)
+    except Exception as exc:  # noqa: BLE001 - kept the next time a worker takes it up
+        logger.warning("hpc-garage worker: flow run %s: could not record job %s (%s)", run.id, job_id, exc)
+
+
 @dataclass
 class _Followed:
     flow_run: Any
@@ -345,12 +356,7 @@ class PoolWorker(BaseWorker[GarageJobConfiguration, GarageVariables, GarageResul
     async def _take_up_one(self, run: Any, claim: dict[str, Any]) -> None:
         try:
             self.get_flow_run_logger(run).info(f"worker {self.name!r} follows job {claim['job_id']}")
-            if str(run.infrastructure_pid or "") != str(claim["job_id"]):  # its worker died before Prefect kept it
-                try:
-                    await self.client.update_flow_run(flow_run_id=run.id, infrastructure_pid=str(claim["job_id"]))
-                except Exception as exc:  # noqa: BLE001 - the API is away: follow the job anyway, keep it next time
-                    logger.warning("hpc-garage worker: flow run %s: could not record job %s (%s)", run.id,
-                                   claim["job_id"], exc)
+            await _keep_job_as_pid(self.client, run, str(claim["job_id"]))
             await self._follow(run, str(claim["job_id"]), str(claim.get("site") or ""))
         finally:
             self._mine.discard(str(run.id))
