@@ -83,6 +83,14 @@ def stretch_no_tag_limits_cache(ttl: float) -> bool:
     return True
 
 
+def _cached_no_limits(services: Any, names: Any, holder: Any) -> bool:
+    """Prefect's own per-process cache says a task run's tags `names` have no concurrency limits."""
+    if not services._should_use_cache(list(names), holder):
+        return False
+    with services._cache_lock:
+        return bool(services._no_limits_cache.get(frozenset(names), False))
+
+
 @uses("prefect", "prefect.concurrency._sync.acquire_concurrency_slots_with_lease (the module-level name the sync "
                  "concurrency() calls) / services._should_use_cache / _no_limits_cache / _cache_lock")
 def answer_cached_tag_limits_in_thread(bypassed: Callable[[], bool] = lambda: False) -> bool:
@@ -105,14 +113,10 @@ def answer_cached_tag_limits_in_thread(bypassed: Callable[[], bool] = lambda: Fa
     except ImportError:
         return False
 
-    def acquire(names: list[str], slots: int, *args: Any, **kwargs: Any) -> Any:
-        holder = kwargs.get("holder", args[5] if len(args) > 5 else None)
-        strict = kwargs.get("strict", args[4] if len(args) > 4 else False)
-        if not strict and not bypassed() and services._should_use_cache(names, holder):
-            with services._cache_lock:
-                cached = services._no_limits_cache.get(frozenset(names), False)
-            if cached:
-                return ConcurrencyLimitWithLeaseResponse.model_validate({"lease_id": str(uuid.uuid4()), "limits": []})
+    def acquire(names: list[str], slots: int, *args: Any, **kwargs: Any) -> Any:  # concurrency() passes keywords
+        if not args and not kwargs.get("strict") and not bypassed() \
+                and _cached_no_limits(services, names, kwargs.get("holder")):
+            return ConcurrencyLimitWithLeaseResponse.model_validate({"lease_id": str(uuid.uuid4()), "limits": []})
         return own(names, slots, *args, **kwargs)
 
     acquire.__wrapped__ = own  # type: ignore[attr-defined]
@@ -247,12 +251,9 @@ def tag_limits_survive_outages(is_outage: Callable[[BaseException], bool], answe
             return await own(self, slots, mode, timeout_seconds, max_retries, lease_duration, strict, holder)
         names = frozenset(self.concurrency_limit_names)
         known_free = names in limit_free and services._should_use_cache(self.concurrency_limit_names, holder)
-        if known_free:
-            with services._cache_lock:
-                cached = services._no_limits_cache.get(names, False)
-            if cached:  # Prefect answers from its own cache, asking the API nothing: no probe (one per
-                # tagged task cost 70% of tasks/s, bench/fault_cost.py)
-                return await own(self, slots, mode, timeout_seconds, max_retries, lease_duration, strict, holder)
+        if known_free and _cached_no_limits(services, names, holder):  # Prefect answers from its own cache,
+            # asking the API nothing: no probe (one per tagged task cost 70% of tasks/s, bench/fault_cost.py)
+            return await own(self, slots, mode, timeout_seconds, max_retries, lease_duration, strict, holder)
         if known_free and not await asyncio.to_thread(answers):  # Prefect's own cache missed: one short
             # probe first, or a dead API holds the trial (and its GPU) for the client's retries (measured: 76 s)
             if not down[0]:

@@ -63,13 +63,18 @@ class SweepPolicy(CompoundCachePolicy):
                     **kwargs: Any) -> str | None:
         keys = [(policy, policy.compute_key(task_ctx=task_ctx, inputs=inputs, flow_parameters=flow_parameters,
                                             **kwargs)) for policy in self.policies]
-        found = [key for _, key in keys if key is not None]
-        key = hash_objects(*found, raise_on_failure=True) if found else None
+        key = _combined(keys)
         if self.results and task_ctx is not None and key is not None:
             note_source(Path(self.results), task_ctx.task.name, keys, key)
         if key is not None and getattr(task_ctx, "task_run", None) is not None:  # its checkpoint dir, its record
             note_trial(task_ctx.task_run.id.hex, key, task_ctx.task.name)
         return key
+
+
+def _combined(keys: list[tuple[Any, str | None]]) -> str | None:
+    """The compound key of its policies' keys, as Prefect's CompoundCachePolicy combines them."""
+    found = [key for _, key in keys if key is not None]
+    return hash_objects(*found, raise_on_failure=True) if found else None
 
 
 _known_sources: dict[tuple[Path, str], set[str]] = {}  # (results, task name) -> its sources in that epoch
@@ -89,9 +94,8 @@ def note_source(results: Path, task_name: str, keys: list[tuple[Any, str | None]
         if len(known) < 2 or (results / key).exists():
             return
         for other in known - {source}:
-            before = hash_objects(*[other if isinstance(policy, TaskSource) else k for policy, k in keys
-                                    if k is not None], raise_on_failure=True)
-            if (results / before).exists():
+            before = _combined([(p, other if isinstance(p, TaskSource) else k) for p, k in keys])
+            if before is not None and (results / before).exists():
                 inputs = next((k for policy, k in keys if isinstance(policy, Inputs)), None)
                 change = {"task": task_name, "trial": hash_objects(task_name, inputs), "at": time.time()}
                 append_private(results / SOURCE_CHANGES, [json.dumps(change)])
