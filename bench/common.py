@@ -286,7 +286,7 @@ def prefect_and_cluster(workers: int = 2, threads: int = 1,
     import contextlib
 
     from hpc_garage.prefect.server import ensure_api, server_status
-    from hpc_garage.prefect.task_runner import use_api
+    from hpc_garage.prefect.flow_api import use_api
 
     timed = phase or contextlib.nullcontext
     with timed():

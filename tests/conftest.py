@@ -143,7 +143,7 @@ def read_env_dump(path: Path) -> dict[str, str]:
 def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """One hpc-garage Prefect server per test module, in a private HOME (results persist under it)."""
     from hpc_garage.prefect import fast as prefect_fast
-    from hpc_garage.prefect.task_runner import use_api
+    from hpc_garage.prefect.flow_api import use_api
     from hpc_garage.prefect.server import ensure_api, stop_server
 
     home = tmp_path_factory.mktemp("home")

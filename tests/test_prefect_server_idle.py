@@ -147,7 +147,7 @@ def test_a_process_that_moves_to_another_api_records_its_task_runs_there(home: P
     runs (and each flow of hpc-garage's runner waited 2 minutes for them); use_api now restarts it there."""
     script = ("import os\nfrom prefect import flow, task\n"
               "from hpc_garage.prefect.server import ensure_api, stop_server\n"
-              "from hpc_garage.prefect.task_runner import use_api\n"
+              "from hpc_garage.prefect.flow_api import use_api\n"
               "@task\ndef one(i):\n    return i\n"
               "@flow\ndef sweep():\n    return sum(one(i) for i in range(3))\n"
               f"use_api(ensure_api(timeout={START}))\n"

@@ -243,3 +243,70 @@ def test_a_context_prefect_composes_differently_falls_back(runner: HpcTaskRunner
     assert values == [0, 1, 4, 9] and fell_back
     assert sum(delta(before, stats(cluster), "tasks").values()) == 0
 
+
+
+# ------------------------------------------------------------- what every task carries (prefect/shared.py)
+
+
+def test_tasks_carry_the_flows_shared_parts_by_reference_fetched_once_per_worker(
+        runner: HpcTaskRunner, cluster: SpecCluster) -> None:
+    """The flow run context, Prefect's settings and the task travel to the scheduler once, not with each of the
+    40 tasks: every worker fetches each at most once, and the runner drops them when the flow ends."""
+    from hpc_garage.prefect import shared
+
+    address = cluster.scheduler_address  # the flow pickles what it refers to: an address, not the cluster
+
+    def metadata() -> dict[str, Any]:
+        with Client(address) as client:
+            return client.get_metadata([shared.ROOT], default={})
+
+    def fetches() -> dict[str, int]:
+        with Client(address) as client:
+            return client.run(shared.fetched)
+
+    before, during = fetches(), {}
+
+    @flow(task_runner=runner)
+    def many() -> list[int]:
+        values = [f.result() for f in square.map(range(40))]
+        during.update({space: set(blobs) for space, blobs in metadata().items() if blobs})
+        return values
+
+    assert many() == [i * i for i in range(40)]
+    assert len(during) == 1 and len(next(iter(during.values()))) == 3, during  # settings, flow context, task
+    after = fetches()
+    assert 0 < sum(after[w] - before.get(w, 0) for w in after) <= 3 * len(after), (before, after)
+    assert not any(metadata().values())  # the runner's exit dropped them
+
+
+def test_a_shared_part_the_scheduler_no_longer_holds_fails_the_task_in_one_line(cluster: SpecCluster) -> None:
+    from hpc_garage.prefect import shared
+
+    with Client(cluster.scheduler_address) as client:
+        publisher = shared.Publisher(client)
+        ref = publisher.share(b"flow context")
+        assert client.submit(shared.fetch, ref, pure=False).result() == b"flow context"
+        publisher.close()
+        gone = shared.Shared(publisher.space, "0" * 32)
+        with pytest.raises(RuntimeError, match="no longer holds the flow's shared task data 0000"):
+            client.submit(shared.fetch, gone, pure=False).result()
+
+
+def test_a_task_is_sent_by_reference_from_its_second_submission_and_a_task_per_trial_never() -> None:
+    from hpc_garage.prefect import shared
+
+    class Recording:
+        def __init__(self) -> None:
+            self.set: list[list[str]] = []
+
+        def set_metadata(self, keys: list[str], value: Any) -> None:
+            self.set.append(keys)
+
+    client = Recording()
+    publisher = shared.Publisher(client)
+    assert publisher.task(square) is square  # first sight: inline
+    first, second = publisher.task(square), publisher.task(square)
+    assert isinstance(first, shared.Shared) and first.digest == second.digest and len(client.set) == 1
+    assert cloudpickle.loads(cloudpickle.dumps(first)).digest == first.digest  # the scheduler keeps a reference
+    per_trial = [square.with_options(name=f"trial-{i}") for i in range(5)]
+    assert all(publisher.task(t) is t for t in per_trial) and len(client.set) == 1

@@ -68,7 +68,7 @@ def main() -> None:
     if args.jobqueue:
         from dask_jobqueue import SLURMCluster
 
-        from hpc_garage.prefect.task_runner import use_api
+        from hpc_garage.prefect.flow_api import use_api
         from hpc_garage.prefect.server import ensure_api
 
         use_api(ensure_api())  # before the worker jobs are submitted: they inherit the API

@@ -57,6 +57,7 @@ from hpc_garage.compat import (VERIFIED, answer_cached_tag_limits_in_thread, con
                                has_context_vars, has_deployment_context, in_range, stretch_no_tag_limits_cache,
                                tag_limits_survive_outages)
 from hpc_garage import log
+from hpc_garage.prefect.shared import Pickled, Publisher, Shared, value
 from hpc_garage.variables import PREFECT_FAST, switch
 
 __all__ = ["SettingsPayload", "Submitter", "TaskCall", "await_recorded", "problem", "run_task", "worker_stats"]
@@ -98,7 +99,7 @@ class SettingsPayload:
     """Prefect's serialized settings and their content hash: the worker validates each hash once."""
 
     key: str
-    data: dict[str, Any]
+    data: dict[str, Any] | Shared  # Shared: published once to the scheduler (prefect/shared.py)
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,7 @@ class Submitter:
     state). The first task's context is compared with Prefect's own; if they differ, None: plain path.
     """
 
+    publisher: Publisher | None = None  # None: every task carries the shared parts itself
     _settings_key: Any = None  # the SettingsContext the payload was made from (held: compared by identity)
     _payload: SettingsPayload | None = None
     _flow_key: tuple[Any, ...] | None = None
@@ -140,11 +142,13 @@ class Submitter:
         context = self._context(asset)
         if not self._verified:
             if context != {**serialize_context(asset_ctx_kwargs=asset), "settings_context": {}}:
+                self.close()  # what it published for this flow run is not needed: the plain path carries it
                 return None
             self._verified = True
         if context["flow_run_context"]:
-            context["flow_run_context"] = self._flow_pickled  # the same bytes for every task of the flow run
-        kwargs = {"task": task, "task_run_id": task_run_id, "parameters": parameters, "wait_for": wait_for,
+            context["flow_run_context"] = self._flow_pickled  # published (or pickled) once per flow run state
+        task_ref = task if self.publisher is None else self.publisher.task(task)
+        kwargs = {"task": task_ref, "task_run_id": task_run_id, "parameters": parameters, "wait_for": wait_for,
                   "return_type": "state", "dependencies": inputs, "context": context,
                   "settings": self._settings()}
         return TaskCall(key=f"{task.name}-{task_run_id.hex}", task_run_id=task_run_id, kwargs=kwargs)
@@ -177,8 +181,18 @@ class Submitter:
         key = (context, flow_run, getattr(flow_run, "state_id", None), context.parameters, context.result_store)
         if self._flow_key is None or any(a is not b for a, b in zip(key, self._flow_key)):
             self._flow_key, self._flow_data = key, context.serialize()
-            self._flow_pickled = Pickled(self._flow_data)
+            self._flow_pickled = self._share(self._flow_data)
         return self._flow_data
+
+    def close(self) -> None:
+        if self.publisher is not None:
+            self.publisher.close()
+
+    def _share(self, value: Any) -> Any:
+        """`value` as a Shared reference to it, published once; without a publisher, pickled once."""
+        import cloudpickle
+
+        return Pickled(value) if self.publisher is None else self.publisher.share(cloudpickle.dumps(value))
 
     def _settings(self) -> SettingsPayload | None:
         current = SettingsContext.get()
@@ -187,7 +201,8 @@ class Submitter:
         if current is not self._settings_key:
             data = current.serialize()
             digest = hashlib.sha256(json.dumps(_named_keys(data), sort_keys=True, default=str).encode()).hexdigest()
-            self._settings_key, self._payload = current, SettingsPayload(digest, data)
+            self._settings_key = current
+            self._payload = SettingsPayload(digest, data if self.publisher is None else self._share(data))
         return self._payload
 
 
@@ -205,23 +220,6 @@ def _named_keys(value: Any) -> Any:
 def is_plain(value: Any) -> bool:
     """A value that holds no futures or states: Prefect's visit_collection need not walk it."""
     return type(value) in (int, float, str, bool, bytes, type(None))
-
-
-class Pickled:
-    """A value pickled once and sent as those bytes with every task (cloudpickle: the flow may live in
-    __main__); it unpickles as the value itself."""
-
-    __slots__ = ("data",)
-
-    def __init__(self, value: Any) -> None:
-        import cloudpickle
-
-        self.data = cloudpickle.dumps(value)
-
-    def __reduce__(self) -> tuple[Any, tuple[bytes]]:
-        import pickle
-
-        return pickle.loads, (self.data,)
 
 
 def await_recorded(task_run_ids: list[uuid.UUID], timeout: float) -> int:
@@ -294,6 +292,9 @@ def run_task(*, task: Any, task_run_id: uuid.UUID, parameters: dict[str, Any], w
 
     if not _tuned:
         trust_no_tag_limits_longer()
+    task = value(task)  # a Shared part: a fresh copy from the blob fetched once per worker (prefect/shared.py)
+    if isinstance(context.get("flow_run_context"), Shared):
+        context = {**context, "flow_run_context": value(context["flow_run_context"])}
     with _entered(SettingsContext, _settings_for(settings) if settings else None):
         client_context = _client_for(settings.key) if settings else None
         with _entered(SyncClientContext, client_context):
@@ -331,7 +332,7 @@ def _settings_for(payload: SettingsPayload) -> SettingsContext:
     with _lock:
         context = _settings.get(payload.key)
         if context is None:
-            context = SettingsContext(**payload.data)  # what hydrated_context does for every task
+            context = SettingsContext(**value(payload.data))  # what hydrated_context does for every task
             _stats["settings_validated"] += 1
             _settings[payload.key] = context
             while len(_settings) > MAX_SETTINGS:

@@ -41,7 +41,6 @@ from hpc_garage.compat import dask_futures, runner_has_cluster, runner_started
 from hpc_garage.prefect import fast as prefect_fast
 from hpc_garage.prefect import in_flight, outage, refusals
 from hpc_garage.prefect.flow_api import local_address_towards, settle_api
-from hpc_garage.prefect.flow_api import use_api  # noqa: F401 - its old place (tests, bench)
 from hpc_garage.prefect.metrics import TrialMetrics
 from hpc_garage.pruning import check_settings
 from hpc_garage.core.errors import UserError
@@ -172,6 +171,7 @@ class HpcTaskRunner(DaskTaskRunner):
             else:
                 self._await_recorded()
         finally:
+            self._submitter and self._submitter.close()  # its shared task parts leave the scheduler
             super().__exit__(*exc)
 
     def submit(self, task: Any, parameters: dict[str, Any], wait_for: Any = None,
@@ -231,7 +231,7 @@ class HpcTaskRunner(DaskTaskRunner):
         """run_task's arguments, or None for prefect-dask's own path (not started, or prefect_fast can't)."""
         if self._submitter is None:
             why = prefect_fast.problem()
-            self._submitter = prefect_fast.Submitter() if why is None else False
+            self._submitter = prefect_fast.Submitter(prefect_fast.Publisher(self.client)) if why is None else False
             if why is not None:
                 self.logger.warning(f"hpc-garage: plain prefect-dask task submission ({why})")
         if not runner_started(self) or self._submitter is False:
