@@ -445,21 +445,27 @@ def test_a_job_scancelled_from_a_shell_crashes_its_flow_run_naming_the_job(garag
 @pytest.mark.slurm
 @pytest.mark.slow
 def test_a_worker_killed_and_restarted_submits_no_flow_run_twice(garage: Garage) -> None:
-    runs = [garage.run({"seeds": 1, "lrs": [0.1], "duration": 0.3, "out": f"/dev/null"},
-                       {"nodes": 1, "gpus_per_node": 1}) for _ in range(3)]
+    runs = [garage.run({"seeds": 1, "lrs": [0.1], "duration": duration, "out": f"/dev/null"},
+                       {"nodes": 1, "gpus_per_node": 1}) for duration in (0.3, 45, 45)]
     deadline = time.monotonic() + 120
-    # killed once every run's job is recorded (its submit.json, its claim): a kill between sbatch and those
-    # records, with the job already running its flow, leaves a job no worker follows (proof 18; not handled yet)
     while not all(garage.records(r) for r in runs) or not any(garage.flow_run(r)["infrastructure_pid"] for r in runs):
         assert time.monotonic() < deadline, "the flow runs were not all submitted within 120 s"
         time.sleep(0.2)
+    for flow_run_id in runs[1:]:  # the long two: their jobs outlive the worker's restart
+        garage.wait(flow_run_id, lambda r: r["state_type"] == "RUNNING" and r["infrastructure_pid"], 300, "Running")
     garage.worker.send_signal(signal.SIGKILL)
     garage.worker.wait(10)
+    # as if the kill had landed between sbatch and the worker noting the job, the job already running the flow
+    # (proof 18): its claim has no job id, Prefect has no pid; the next worker finds the job by its name
+    claim = garage.home / ".hpc-garage" / "runs" / "prefect-flow-runs" / f"{runs[2]}.json"
+    noted = json.loads(claim.read_text())
+    claim.write_text(json.dumps({k: v for k, v in noted.items() if k not in ("job_id", "run_dir", "submitted")}
+                                | {"pid": garage.worker.pid, "claimed": time.time() - 60}))
+    garage.call("PATCH", f"/flow_runs/{runs[2]}", {"infrastructure_pid": None})
     # as if the kill had landed between those records and Prefect keeping the job as the run's infrastructure
     # pid (CI, proof 16): the next worker follows the job and keeps it there itself
-    submitted = next(r for r in runs if garage.flow_run(r)["infrastructure_pid"])
-    garage.call("PATCH", f"/flow_runs/{submitted}", {"infrastructure_pid": None})
-    assert garage.flow_run(submitted)["infrastructure_pid"] is None
+    garage.call("PATCH", f"/flow_runs/{runs[1]}", {"infrastructure_pid": None})
+    assert garage.flow_run(runs[1])["infrastructure_pid"] is None
     garage.start_worker()
     for flow_run_id in runs:
         run = garage.wait(flow_run_id, lambda r: r["state_type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"),
@@ -469,6 +475,7 @@ def test_a_worker_killed_and_restarted_submits_no_flow_run_twice(garage: Garage)
         jobs = [r["job_id"] for r in garage.records(flow_run_id)]
         assert len(jobs) == 1, f"flow run {flow_run_id} was submitted as jobs {jobs}"
         assert garage.flow_run(flow_run_id)["infrastructure_pid"] == jobs[0]
+    assert json.loads(claim.read_text())["job_id"] == noted["job_id"]  # noted for the workers after it
 
 
 @pytest.mark.slurm

@@ -336,6 +336,9 @@ class PoolWorker(BaseWorker[GarageJobConfiguration, GarageVariables, GarageResul
             claim = await anyio.to_thread.run_sync(self.jobs.claim_of, flow_run_id, roots)
             if not (claim and claim.get("job_id")) and run.infrastructure_pid:  # its claim is out of sight
                 claim = {"job_id": run.infrastructure_pid}
+            if claim and not claim.get("job_id") and run.state_type != StateType.PENDING \
+                    and claim.get("claimed", 0) <= time.time() - ADOPT_AFTER:  # its job runs the flow already
+                claim = await anyio.to_thread.run_sync(self.jobs.job_of_dead_claim, flow_run_id, claim, roots) or claim
             if claim and claim.get("job_id"):
                 self._mine.add(flow_run_id)
                 if self._once:

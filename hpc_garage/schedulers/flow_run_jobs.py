@@ -41,7 +41,7 @@ from hpc_garage.schedulers.submission import (CANCEL_MARGIN, JobView, Prepared, 
                                               refresh, run_roots, start_wind_down, submit)
 
 __all__ = ["VARIABLES", "FlowRunJob", "Taken", "Busy", "request_of", "prepare_flow_run", "secrets_of",
-           "secrets_file", "drop_secrets", "take", "claim_of", "views", "cancel", "wind_down", "CANCEL_MARGIN", "ended",
+           "secrets_file", "drop_secrets", "take", "claim_of", "job_of_dead_claim", "views", "cancel", "wind_down", "CANCEL_MARGIN", "ended",
            "next_job_of", "run_roots"]
 
 logger = logging.getLogger(__name__)
@@ -215,6 +215,29 @@ def take(job: FlowRunJob, prepared: Prepared) -> Taken:
         write_json(path, {**(read_json(path) or {}), "job_id": done.job_id, "run_dir": str(done.run_dir),
                           "submitted": time.time()})
     return Taken(done.job_id, site, fresh=True, log=done.log)
+
+
+def job_of_dead_claim(flow_run_id: str, claim: Mapping[str, Any],
+                      roots: Sequence[RunRoot] | None = None) -> dict[str, Any] | None:
+    """A claim whose worker died after sbatch took the job and before it noted the job's id, while the job
+    already runs the flow (so no `take` comes to settle it): the claim with that job, found in the queue by
+    the claim's job name, and noted in the claim's file. None while its worker lives, or with no such job."""
+    from hpc_garage.schedulers import get
+    from hpc_garage.sites import load_site
+
+    pid = int(claim.get("pid") or 0)
+    if (pid and claim.get("host") == socket.gethostname() and pid_alive(pid)) or not claim.get("job_name"):
+        return None  # its worker notes the job itself
+    found = get(load_site(str(claim.get("site") or "")).scheduler).jobs_named(str(claim["job_name"]))
+    if not found:
+        return None
+    for root in run_roots() if roots is None else roots:
+        if (path := root.path / CLAIMS / f"{flow_run_id}.json").exists():
+            with locked(path.parent / ".lock"):
+                write_json(path, {**(read_json(path) or claim), "job_id": found[0], "found": time.time()})
+            break
+    logger.info("flow run %s: job %s of its dead worker found in the queue, running the flow", flow_run_id, found[0])
+    return {**claim, "job_id": found[0]}
 
 
 def claim_of(flow_run_id: str, roots: Sequence[RunRoot] | None = None) -> dict[str, Any] | None:
