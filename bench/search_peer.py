@@ -42,6 +42,7 @@ from typing import Any
 from bench.common import BIN, PYTHON, ROOT, SCRIPTS, Figure, Jobs, compare, read_json_when_ready, say, scratch, \
     wait_for_free_nodes
 from bench.tune_peer import GRACE, GPUS, RAY_CPU_PER_TRIAL, RAY_CPUS, REDUCTION, find_ray
+from hpc_garage.tuning.ledger import GPU_SECONDS  # the study's own count of its GPU-seconds (a user attribute)
 
 EXAMPLE = ROOT / "examples" / "optuna_ask_tell.py"
 SPACE = {"lr": (1e-5, 1.0, True), "dropout": (0.0, 0.6, False)}  # examples/optuna_ask_tell.py's space
@@ -94,7 +95,7 @@ def _attempt(runs: dict[str, list[dict[str, Any]]], problems: dict[str, str], ke
     if key in problems:  # failed once: not again
         return
     try:
-        result = run() | {"run": i}
+        result = run() | {"run": i, "load": os.getloadavg()[0]}  # the machine is shared: each run's own load
     except Exception as exc:  # noqa: BLE001 - reported in the table
         problems[key] = f"{type(exc).__name__}: {exc}"[:400]
         say(f"search: {key} failed: {problems[key]}")
@@ -102,7 +103,7 @@ def _attempt(runs: dict[str, list[dict[str, Any]]], problems: dict[str, str], ke
     runs.setdefault(key, []).append(result)
     times = gpu_times(result["records"])
     say(f"search run {i + 1}: {key}: {len(result['records'])} trials, {times['gpu_seconds']:.1f} GPU-s, best loss "
-        f"{times['best']}, study {result.get('study_gpu_seconds', 0):.1f} GPU-s, load {os.getloadavg()[0]:.1f}")
+        f"{times['best']}, study {result.get('study_gpu_seconds', 0):.1f} GPU-s, load {result['load']:.1f}")
 
 
 # ------------------------------------------------------------------------------------------- hpc-garage
@@ -120,9 +121,9 @@ def _ours(size: dict[str, Any], seed: int, jobs: Jobs, cancel_at: int | None = N
                      str(EXAMPLE), "--pruner", "asha", "--trials", str(size["trials"]), "--steps", str(size["steps"]),
                      "--step-seconds", str(size["step_seconds"]), "--seed", str(seed), "--out", str(out)],
                     directory, jobs)
-        told_at_cancel = None
+        cancelled: dict[str, Any] = {}
         if cancel_at is not None:
-            told_at_cancel = _cancel_when_told(directory, job, site, cancel_at, jobs)
+            cancelled = _cancel_when_told(directory, job, site, cancel_at, jobs)
             job = _hpcg(["resume", job, "--site", str(site)], directory, jobs)
         result = read_json_when_ready(out, 900, alive=lambda: Jobs.queued(job))
         wall = time.time() - started
@@ -132,7 +133,7 @@ def _ours(size: dict[str, Any], seed: int, jobs: Jobs, cancel_at: int | None = N
     records = [{"number": r["number"], "loss": r["loss"], "complete": r["state"] == "complete", "start": r["start"],
                 "end": r["end"]} for r in result["records"]]
     return {"records": records, "told": result["told"], "complete": result["complete"], "pruned": result["pruned"],
-            "failed": result["failed"], "stopped": result["stopped"], "wall": wall, "told_at_cancel": told_at_cancel,
+            "failed": result["failed"], "stopped": result["stopped"], "wall": wall, **cancelled,
             "study_gpu_seconds": result["gpu_hours"] * 3600,
             "study_best": None if result["best"] is None else result["best"]["value"]}
 
@@ -151,29 +152,36 @@ def _hpcg(argv: list[str], cwd: Path, jobs: Jobs | None = None) -> str:
     return found.group(1)
 
 
-def _cancel_when_told(directory: Path, job: str, site: Path, told: int, jobs: Jobs) -> int:
-    """`hpc-garage cancel` (its wind-down) once the study in the job's journal has `told` trials told."""
+def _cancel_when_told(directory: Path, job: str, site: Path, told: int, jobs: Jobs) -> dict[str, Any]:
+    """`hpc-garage cancel` (its wind-down) once the study in the job's journal has `told` trials told: how many
+    were, the seconds from the cancel to the job's end, and the GPU-seconds the study counted by then."""
     import optuna
     from optuna.storages import JournalStorage
     from optuna.storages.journal import JournalFileBackend
 
-    def finished() -> int:
+    def study() -> Any:
         for path in (directory / "runs" / "sweeps").glob("*/*/search.journal"):
             try:
-                study = optuna.load_study(study_name="search", storage=JournalStorage(JournalFileBackend(str(path))))
+                return optuna.load_study(study_name="search", storage=JournalStorage(JournalFileBackend(str(path))))
             except KeyError:  # the journal is there, its study not yet
-                return 0
-            return sum(t.state.is_finished() for t in study.get_trials(deepcopy=False))
-        return 0
+                return None
+        return None
+
+    def finished() -> int:
+        found = study()
+        return 0 if found is None else sum(t.state.is_finished() for t in found.get_trials(deepcopy=False))
 
     deadline = time.monotonic() + 600
     while (count := finished()) < told:
         if time.monotonic() > deadline or not Jobs.queued(job):
             raise RuntimeError(f"job {job} ended or took over 600 s before {told} trials were told ({count} were)")
         time.sleep(0.5)
+    begun = time.monotonic()
     _hpcg(["cancel", job, "--site", str(site)], directory)
     jobs.wait_gone(job, 180)
-    return count
+    ended = time.monotonic() - begun
+    return {"told_at_cancel": count, "cancel_seconds": ended,
+            "study_gpu_seconds_at_cancel": float(study().user_attrs.get(GPU_SECONDS, 0.0))}
 
 
 # ----------------------------------------------------------------------------------------------- Ray Tune
@@ -272,6 +280,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]], problems: dict[str, str], s
               "wall": f"{shape}: seconds (first trial's start) to the common best loss",
               "all": f"{shape}: GPU-seconds in all",
               "budget": f"{shape}: best final loss after {size['budget']:g} GPU-seconds",
+              "best": f"{shape}: best final loss at the search's end",
               "resume": f"{shape}: GPU-seconds the study counts, all jobs"}
     per_run: dict[int, dict[str, Any]] = {}
     for key in ("ours", "ray"):
@@ -293,12 +302,13 @@ def summarize(runs: dict[str, list[dict[str, Any]]], problems: dict[str, str], s
         got = rows[key]
         note = problems.get(key, "")
         for group, field, unit in (("to", "to_target", "s"), ("wall", "seconds_to_target", "s"),
-                                   ("all", "gpu_seconds", "s"), ("budget", "best_within_budget", "loss")):
+                                   ("all", "gpu_seconds", "s"), ("budget", "best_within_budget", "loss"),
+                                   ("best", "best", "loss")):
             values = [v for v in got.get(field, []) if v is not None]
             figures.append(Figure(groups[group], LABELS[key], unit, values, ours=key == "ours"))
         missed = sum(v is None for v in got.get("best_within_budget", []))
         if missed:  # no trial had run every step by then: no final loss to show (Optuna's best counts none either)
-            figures[-1].note = f"no trial had finished within {size['budget']:g} GPU-seconds in {missed} run(s)"
+            figures[-2].note = f"no trial had finished within {size['budget']:g} GPU-seconds in {missed} run(s)"
         if key in runs:
             done = runs[key]
             bests = got["best"]
@@ -309,11 +319,11 @@ def summarize(runs: dict[str, list[dict[str, Any]]], problems: dict[str, str], s
                 note += (f"; Ray {done[0]['ray']}, Optuna {done[0]['optuna']}; ray.init "
                          f"{statistics.median(r['init_seconds'] for r in done):.1f} s, Tuner.fit "
                          f"{statistics.median(r['fit_seconds'] for r in done):.1f} s (median)")
-        figures[-4].note = note
+        figures[-5].note = note
     measured = "ray" in runs
     compare([f for f in figures if f.group == groups["to"]], f"<= {RAY_GOAL}x Ray Tune's GPU-seconds",
             lambda o, peers: o.median / peers[0].median <= RAY_GOAL if measured else None)
-    for group in ("wall", "all", "budget"):
+    for group in ("wall", "all", "budget", "best"):
         compare([f for f in figures if f.group == groups[group]], "", lambda o, peers: None)
     if not measured:
         for f in figures:
@@ -321,7 +331,16 @@ def summarize(runs: dict[str, list[dict[str, Any]]], problems: dict[str, str], s
                 f.note += "; against Ray Tune: not measured (Ray Tune did not run): the target is its own best"
     figures += _resumed(runs, problems, groups["resume"])
     return {"figures": [f.to_dict() for f in figures], "size": size, "problems": problems,
-            "runs": {k: [{x: v for x, v in r.items() if x != "records"} for r in done] for k, done in runs.items()}}
+            "runs": {k: [{x: v for x, v in r.items() if x != "records"} | {"trials": _compact(r["records"])}
+                         for r in done] for k, done in runs.items()}}
+
+
+def _compact(records: list[dict[str, Any]]) -> list[list[Any]]:
+    """Each trial as [start, end (s from the run's first start), loss, ran every step]: the stored run keeps
+    what every figure is computed from, so that another figure can be read from it later."""
+    begun = min((r["start"] for r in records), default=0.0)
+    return [[round(r["start"] - begun, 3), round(r["end"] - begun, 3), r["loss"], r["complete"]]
+            for r in sorted(records, key=lambda r: r["start"])]
 
 
 def _resumed(runs: dict[str, list[dict[str, Any]]], problems: dict[str, str], group: str) -> list[Figure]:
@@ -339,7 +358,9 @@ def _resumed(runs: dict[str, list[dict[str, Any]]], problems: dict[str, str], gr
             return ", ".join(form.format(r[key]) for r in of)
 
         before = [whole[r["run"]] for r in paired]
-        ours.note = (f"cancelled once {listed('told_at_cancel', paired)} trials were told; told in the end "
+        ours.note = (f"cancelled once {listed('told_at_cancel', paired)} trials were told, the job gone "
+                     f"{listed('cancel_seconds', paired, '{:.0f}')} s after `cancel`, the study counting "
+                     f"{listed('study_gpu_seconds_at_cancel', paired, '{:.0f}')} GPU-s by then; told in the end "
                      f"{listed('told', paired)}; best loss {listed('study_best', paired, '{:.4f}')} (uninterrupted: "
                      f"{listed('study_best', before, '{:.4f}')}); first submit to result "
                      f"{statistics.median(r['wall'] for r in paired):.0f} s (uninterrupted "

@@ -274,7 +274,8 @@ def test_search_judges_hpc_garage_against_ray_tune_at_each_runs_common_best_and_
             search_run(1, [ran(0, 3, 0.25), ran(0, 1, 0.9, False)], study_gpu_seconds=4.0, study_best=0.25, wall=28.0)]
     rays = [search_run(0, [ran(0, 3, 0.3), ran(0, 4, 0.25)], **ray),  # run 0's common best: 0.25 (Ray's)
             search_run(1, [ran(0, 2, 0.2), ran(0, 2, 0.6)], **ray)]   # run 1's: 0.25 (ours)
-    resumed = [search_run(0, [], study_gpu_seconds=6.0, study_best=0.2, wall=70.0, told_at_cancel=2, told=4)]
+    resumed = [search_run(0, [], study_gpu_seconds=6.0, study_best=0.2, wall=70.0, told_at_cancel=2, told=4,
+                          cancel_seconds=12.4, study_gpu_seconds_at_cancel=3.5)]
     out = summarize({"ours": ours, "ray": rays, "resumed": resumed}, {}, size)
     figures = {(f["group"].split(": ", 2)[2], f["label"]): f for f in out["figures"]}
     to_best = figures[("GPU-seconds to the run's common best loss", LABELS["ours"])]
@@ -289,7 +290,12 @@ def test_search_judges_hpc_garage_against_ray_tune_at_each_runs_common_best_and_
     assert ray_within["values"] == [0.2] and "within 5 GPU-seconds in 1 run(s)" in ray_within["note"]  # 7 GPU-s at t = 3
     resume = figures[("GPU-seconds the study counts, all jobs", LABELS["resumed"])]
     assert resume["values"] == [6.0] and resume["ratios"] == {LABELS["whole"]: 1.2} and resume["met"] is False
-    assert "cancelled once 2 trials were told" in resume["note"]
+    assert "cancelled once 2 trials were told, the job gone 12 s after `cancel`, the study counting 4 GPU-s" in \
+        resume["note"]
+    at_end = figures[("best final loss at the search's end", LABELS["ray"])]
+    assert at_end["values"] == [0.25, 0.2] and at_end["ratios"] == {}  # Ray's, the peer: ours has the ratio
+    assert figures[("best final loss at the search's end", LABELS["ours"])]["ratios"] == {LABELS["ray"]: 1.0}
+    assert out["runs"]["ours"][0]["trials"][1] == [0, 1, 0.9, False]  # what each figure is read from, kept
     slower = summarize({"ours": ours, "ray": [search_run(0, [ran(0, 1, 0.3), ran(0, 1.5, 0.25)], **ray),
                                                rays[1]]}, {}, size)
     assert next(f for f in slower["figures"] if f["ours"])["met"] is False  # 4.5 against Ray's 2.75
