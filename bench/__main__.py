@@ -10,6 +10,8 @@
     python -m bench --only ui       the managed Prefect server's start-up and memory with its UI and without
     python -m bench --only deployment   a deployment run on an `hpc-garage` work pool against `submit`
     python -m bench --only pruning  issue 25's pruned sweep on SLURM (none, ASHA, median) against Ray Tune's ASHA
+    python -m bench --only search   issue 34's hpc_garage.search (TPE + ASHA) against Ray Tune's Tuner (OptunaSearch +
+                                    ASHAScheduler), and a cancelled + resumed search against an uninterrupted one
     python -m bench --only reports  what 10,000 `trial.report()` calls per trial cost, and the scheduler meanwhile
     python -m bench --only scale    1,000-100,000 trials in one flow under `hpc-garage run --site local` (issue 32;
                                     not in --quick's default set; --scale-sizes sets the sizes)
@@ -18,8 +20,8 @@
                                     minutes (not in --quick; --worker-tasks/--worker-hold scale the run down)
 
 Each benchmark runs in its own Python process (bench.startup, bench.overhead, bench.fault_cost, bench.trial_cost, bench.report_cost, bench.packing,
-bench.tune_peer, bench.cli_speed, bench.server_ui, bench.deployment), so one's imports, Prefect settings and clusters cannot colour another's figures. Needs the local SLURM up
-(scripts/local-slurm up) for start-up, packing and pruning; they are reported as skipped without it. The pruning
+bench.tune_peer, bench.search_peer, bench.cli_speed, bench.server_ui, bench.deployment), so one's imports, Prefect settings and clusters cannot colour another's figures. Needs the local SLURM up
+(scripts/local-slurm up) for start-up, packing, pruning and search; they are reported as skipped without it. The pruning
 benchmark's Ray Tune peer builds a virtual environment with `ray[tune]` once, under the bench's cache.
 """
 
@@ -39,8 +41,8 @@ from bench.common import PYTHON, ROOT, machine, say, slurm_problem
 from bench.report import store_run, write_index, write_reports
 
 RESULTS = Path(__file__).resolve().parent / "results"
-ORDER = ("cli", "overhead", "faults", "trials", "reports", "ui", "packing", "pruning", "startup", "deployment",
-         "scaling", "workers", "scale", "server")
+ORDER = ("cli", "overhead", "faults", "trials", "reports", "ui", "packing", "pruning", "search", "startup",
+         "deployment", "scaling", "workers", "scale", "server")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     sections: dict[str, Any] = {}
     failed = []
     for name in chosen:
-        if name in ("startup", "packing", "pruning", "deployment", "scaling") and no_slurm:
+        if name in ("startup", "packing", "pruning", "search", "deployment", "scaling") and no_slurm:
             sections[name] = {"skipped": no_slurm}
             say(f"{name}: skipped: {no_slurm}")
             continue
@@ -120,7 +122,7 @@ def _run(argv: list[str], log: Path) -> int:
 
 def _module(name: str) -> str:
     return {"cli": "cli_speed", "faults": "fault_cost", "trials": "trial_cost", "ui": "server_ui",
-            "reports": "report_cost", "pruning": "tune_peer",
+            "reports": "report_cost", "pruning": "tune_peer", "search": "search_peer",
             "server": "server_cost"}.get(name, name)
 
 
@@ -134,11 +136,17 @@ def _arguments(name: str, quick: bool, runs: int, out: Path) -> list[str]:
         return base + (["--nodes", "64"] if quick else [])
     if name == "reports":  # issue 25: 10,000 trial.report() calls per trial (2,000 in --quick), 2 trials at once
         return base + ["--reports", "2000" if quick else "10000", "--trials", "2"]
-    if name == "pruning":  # issue 25: each sweep is a SLURM job (and Ray Tune's a login-node run): 2 runs at most
+    if name == "pruning":  # issue 25: each sweep is a SLURM job (and Ray Tune's a login-node run); issue 31: as
+        # many interleaved runs as asked (5 by default), so that Ray Tune's spread is measured, not guessed
         if quick:  # hpc-garage without pruner and with ASHA, and Ray Tune where its environment is built already
             return ["--runs", "1", "--trials", "8", "--steps", "8", "--step-seconds", "0.2", "--pruners", "none,asha",
                     "--no-ray-build"]
-        return ["--runs", str(min(runs, 2))]
+        return ["--runs", str(runs)]
+    if name == "search":  # issue 34: two SLURM jobs (one uninterrupted, one cancelled + resumed) and Ray Tune a run
+        if quick:  # one small search, no resume, Ray Tune only where its environment is built already
+            return ["--runs", "1", "--resume-runs", "0", "--trials", "8", "--steps", "6", "--step-seconds", "0.2",
+                    "--budget", "1000", "--no-ray-build"]
+        return base
     if name == "packing":
         # quick: not prefect-submitit (a Python 3.12 venv to build, and an interpreter start per trial)
         sizes = ["--gpu-trials", "8", "--cpu-trials", "2", "--seconds", "0.2", "--layouts", "ours,guide,jobqueue"] if quick else []

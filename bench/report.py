@@ -147,6 +147,16 @@ def _extra(name: str, section: dict[str, Any]) -> list[str]:
         out.append("")
         out.append(f"- best trial of the full curves: {section.get('expected_best')}; GPU-seconds = each trial's "
                    "duration x its 1 GPU, summed; makespan = first trial's start to last trial's end (median of runs)")
+    if name == "search" and section.get("runs"):  # issue 34: each run's pair side by side, at its common best loss
+        out += ["", "| run | who | best final loss | common best loss | GPU-s to it | s to it | GPU-s in all | trials "
+                "pruned |", "|---|---|---|---|---|---|---|---|"]
+        for who, runs in section["runs"].items():
+            for r in (r for r in runs if r.get("figures")):
+                f = r["figures"]
+                cells = [f["best"], f["target"], f["to_target"], f["seconds_to_target"], f["gpu_seconds"]]
+                shown = ["–" if v is None else f"{v:.4f}" if i < 2 else f"{v:.1f}" for i, v in enumerate(cells)]
+                out.append(f"| {r['run'] + 1} | {who} | " + " | ".join(shown) + f" | {r.get('pruned', '–')} |")
+        out.append("")
     if name == "scale" and section.get("rows"):  # issue 32: each size and contender, one line
         out += ["", "| contender | trials | trials/s | per 1,000 at start → end | peak RSS MiB | server CPU/trial |",
                 "|---|---|---|---|---|---|"]
@@ -173,6 +183,8 @@ def _skip(section: dict[str, Any]) -> str:
 def _value(v: float | None, unit: str) -> str:
     if v is None:
         return "–"
+    if unit == "loss":  # a value of the objective, not a time: 4 decimals, no unit (0.0512, not "51 ms")
+        return f"{v:.4f}"
     return f"{v:.1f} {unit}" if unit == "tasks/s" or v >= 10 else f"{v:.2f} {unit}" if v >= 0.1 else f"{v * 1000:.0f} ms"
 
 

@@ -82,8 +82,8 @@ def test_read_json_when_ready_waits_for_a_whole_file_and_gives_up_when_its_write
         common.read_json_when_ready(tmp_path / "never.json", timeout=60, alive=lambda: False, check_every=0)
 
 
-QUICK = ("cli", "overhead", "faults", "trials", "reports", "ui", "packing", "pruning", "startup", "deployment",
-         "scale")  # scale: only named (`--quick --only scale`: 200 trials, 2 rows)
+QUICK = ("cli", "overhead", "faults", "trials", "reports", "ui", "packing", "pruning", "search", "startup",
+         "deployment", "scale")  # scale: only named (`--quick --only scale`: 200 trials, 2 rows)
 
 
 def test_the_quick_bench_tests_cover_every_benchmark_but_those_left_out_of_quick() -> None:
@@ -238,6 +238,89 @@ def test_pruning_judges_asha_against_ray_tune_and_the_unpruned_sweep_with_the_sa
     text = markdown({"machine": {"date": "today"}, "quick": False, "runs": 1, "seconds": 1.0,
                      "benchmarks": {"pruning": skipped | {"seconds": 60}}})
     assert "| skipped |" in text and f"| {LABELS['asha']} | 45.0 s | 12.0 s | 26 | – | 3 |" in text
+
+
+def ran(start: float, end: float, loss: float, complete: bool = True) -> dict[str, object]:
+    return {"start": start, "end": end, "loss": loss, "complete": complete}
+
+
+def test_search_figures_count_the_gpu_time_used_until_a_loss_was_first_reached_and_within_a_budget() -> None:
+    from bench.search_peer import gpu_times, used_by
+
+    records = [ran(0, 4, 0.5), ran(0, 1, 0.2, complete=False), ran(1, 3, 0.3), ran(4, 9, 0.1)]
+    assert used_by(records, 2) == 4 and used_by(records, float("inf")) == 12
+    # best 0.1 (a pruned trial's 0.2 is no final loss): reached when the last trial ended, all 12 GPU-s used
+    assert gpu_times(records) == {"gpu_seconds": 12, "best": 0.1, "target": 0.1, "to_target": 12,
+                                  "seconds_to_target": 9, "best_within_budget": None}
+    # 0.3 first: the trial ending at 3 (GPU-s by then: 3 + 1 + 2), not the 0.5 one ending later
+    common = gpu_times(records, target=0.3, budget=7)
+    assert common["to_target"] == 6 and common["seconds_to_target"] == 3
+    assert common["best_within_budget"] == 0.3  # 7 GPU-s by t = 4: the trials ended by then, 0.5 and 0.3
+    assert gpu_times(records, target=0.05)["to_target"] is None  # never reached
+    assert gpu_times([ran(0, 1, 0.4, complete=False)])["best"] is None
+
+
+def search_run(run: int, records: list[dict[str, object]], **extra: object) -> dict[str, object]:
+    return {"run": run, "records": records, "pruned": 1, **extra}
+
+
+def test_search_judges_hpc_garage_against_ray_tune_at_each_runs_common_best_and_the_resume_against_the_whole() -> None:
+    from bench.search_peer import LABELS, summarize
+
+    size = {"trials": 4, "steps": 10, "step_seconds": 0.1, "budget": 5.0}
+    ray = {"ray": "2.60.0", "optuna": "5.0.0", "init_seconds": 5.0, "fit_seconds": 20.0}
+    ours = [search_run(0, [ran(0, 2, 0.3), ran(0, 1, 0.9, False), ran(2, 4, 0.2)], study_gpu_seconds=5.0,
+                       study_best=0.2, wall=30.0),
+            search_run(1, [ran(0, 3, 0.25), ran(0, 1, 0.9, False)], study_gpu_seconds=4.0, study_best=0.25, wall=28.0)]
+    rays = [search_run(0, [ran(0, 3, 0.3), ran(0, 4, 0.25)], **ray),  # run 0's common best: 0.25 (Ray's)
+            search_run(1, [ran(0, 2, 0.2), ran(0, 2, 0.6)], **ray)]   # run 1's: 0.25 (ours)
+    resumed = [search_run(0, [], study_gpu_seconds=6.0, study_best=0.2, wall=70.0, told_at_cancel=2, told=4,
+                          cancel_seconds=12.4, study_gpu_seconds_at_cancel=3.5)]
+    out = summarize({"ours": ours, "ray": rays, "resumed": resumed}, {}, size)
+    figures = {(f["group"].split(": ", 2)[2], f["label"]): f for f in out["figures"]}
+    to_best = figures[("GPU-seconds to the run's common best loss", LABELS["ours"])]
+    # ours reach 0.25 at t = 4 (0.2 <= 0.25; 5 GPU-s used) and at t = 3 (4 GPU-s); Ray at t = 4 (7) and t = 2 (4)
+    assert to_best["values"] == [5.0, 4.0] and to_best["ratios"] == {LABELS["ray"]: 4.5 / 5.5}
+    assert to_best["met"] is True and to_best["goal"] == "<= 1.0x Ray Tune's GPU-seconds"
+    assert figures[("GPU-seconds to the run's common best loss", LABELS["ray"])]["values"] == [7.0, 4.0]
+    assert figures[("GPU-seconds in all", LABELS["ours"])]["values"] == [5.0, 4.0]
+    within = figures[("best final loss after 5 GPU-seconds", LABELS["ours"])]
+    assert within["values"] == [0.2, 0.25] and within["unit"] == "loss" and within["met"] is None
+    ray_within = figures[("best final loss after 5 GPU-seconds", LABELS["ray"])]
+    assert ray_within["values"] == [0.2] and "within 5 GPU-seconds in 1 run(s)" in ray_within["note"]  # 7 GPU-s at t = 3
+    resume = figures[("GPU-seconds the study counts, all jobs", LABELS["resumed"])]
+    assert resume["values"] == [6.0] and resume["ratios"] == {LABELS["whole"]: 1.2} and resume["met"] is False
+    assert "cancelled once 2 trials were told, the job gone 12 s after `cancel`, the study counting 4 GPU-s" in \
+        resume["note"]
+    at_end = figures[("best final loss at the search's end", LABELS["ray"])]
+    assert at_end["values"] == [0.25, 0.2] and at_end["ratios"] == {}  # Ray's, the peer: ours has the ratio
+    assert figures[("best final loss at the search's end", LABELS["ours"])]["ratios"] == {LABELS["ray"]: 1.0}
+    assert out["runs"]["ours"][0]["trials"][1] == [0, 1, 0.9, False]  # what each figure is read from, kept
+    slower = summarize({"ours": ours, "ray": [search_run(0, [ran(0, 1, 0.3), ran(0, 1.5, 0.25)], **ray),
+                                               rays[1]]}, {}, size)
+    assert next(f for f in slower["figures"] if f["ours"])["met"] is False  # 4.5 against Ray's 2.75
+    alone = summarize({"ours": ours}, {"ray": "skipped: no pip"}, size)
+    first = alone["figures"][0]
+    assert first["met"] is None and "against Ray Tune: not measured" in first["note"]  # no Ray, no verdict
+    assert [f["values"] for f in alone["figures"] if f["label"] == LABELS["ray"]][0] == []
+    text = markdown({"machine": {"date": "today"}, "quick": False, "runs": 2, "seconds": 1.0,
+                     "benchmarks": {"search": out | {"seconds": 60}}})
+    assert f"| **{LABELS['ours']}** | 0.2250 | 0.2000 – 0.2500 |" in text  # a loss, not "225 ms"
+    assert "| 1 | ours | 0.2000 | 0.2500 | 5.0 | 4.0 | 5.0 | 1 |" in text  # each run's pair, at its common best
+
+
+def test_ray_tunes_search_script_computes_the_examples_learning_curves() -> None:
+    """bench/scripts/ray_tune_search.py runs where hpc-garage is not installed: it executes the source of
+    examples/pruned_sweep.learning_curve that the bench hands it, which must give the very same curves."""
+    import math
+    import random
+
+    from bench.search_peer import curve_source
+    from examples.pruned_sweep import learning_curve
+
+    namespace: dict[str, object] = {"math": math, "random": random}
+    exec(curve_source(), namespace)
+    assert namespace["learning_curve"](0.003, 0.25, 12) == learning_curve(0.003, 0.25, 12)
 
 
 def test_report_cost_is_per_call_against_the_loop_that_never_reports_and_latency_by_window() -> None:
