@@ -39,9 +39,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import BIN, PYTHON, ROOT, SCRIPTS, Figure, Jobs, compare, read_json_when_ready, say, scratch, \
+from bench.common import BIN, ROOT, Figure, Jobs, compare, read_json_when_ready, say, scratch, \
     wait_for_free_nodes
-from bench.tune_peer import GRACE, GPUS, RAY_CPU_PER_TRIAL, RAY_CPUS, REDUCTION, find_ray
+from bench.tune_peer import GRACE, GPUS, RAY_CPU_PER_TRIAL, RAY_CPUS, REDUCTION, find_ray, run_ray_script
 from hpc_garage.tuning.ledger import GPU_SECONDS  # the study's own count of its GPU-seconds (a user attribute)
 
 EXAMPLE = ROOT / "examples" / "optuna_ask_tell.py"
@@ -220,27 +220,10 @@ def curve_source() -> str:
 
 
 def _ray(python: str, size: dict[str, Any], seed: int) -> dict[str, Any]:
-    directory = scratch("search-ray-")
-    try:
-        spec, out = directory / "spec.json", directory / "out.json"
-        spec.write_text(json.dumps({"curve_source": curve_source(), "space": SPACE, "trials": size["trials"],
-                                    "steps": size["steps"], "step_seconds": size["step_seconds"], "seed": seed,
-                                    "gpus": GPUS, "num_cpus": RAY_CPUS, "cpu_per_trial": RAY_CPU_PER_TRIAL,
-                                    "grace_period": GRACE, "reduction_factor": REDUCTION,
-                                    "storage": str(directory / "ray-results")}))
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"RAY_USAGE_STATS_ENABLED": "0"}
-        started = time.time()
-        done = subprocess.run([python, str(SCRIPTS / "ray_tune_search.py"), str(spec), str(out)], cwd=directory,
-                              env=env, capture_output=True, text=True, timeout=900)
-        wall = time.time() - started
-        if done.returncode != 0 or not out.exists():
-            raise RuntimeError(f"Ray Tune exited {done.returncode}: {done.stderr.strip()[-400:]}")
-        result = json.loads(out.read_text())
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
-    failed = [r for r in result["records"] if "error" in r]
-    if failed:
-        raise RuntimeError(f"{len(failed)} Ray Tune trials failed: {failed[0]['error']}")
+    spec = {"curve_source": curve_source(), "space": SPACE, "trials": size["trials"], "steps": size["steps"],
+            "step_seconds": size["step_seconds"], "seed": seed, "gpus": GPUS, "num_cpus": RAY_CPUS,
+            "cpu_per_trial": RAY_CPU_PER_TRIAL, "grace_period": GRACE, "reduction_factor": REDUCTION}
+    result, wall = run_ray_script(python, "ray_tune_search.py", spec, "search-ray-")
     records = [{k: r[k] for k in ("loss", "complete", "start", "end")} for r in result["records"]]
     return {"records": records, "told": len(records), "complete": sum(r["complete"] for r in records),
             "pruned": sum(not r["complete"] for r in records), "wall": wall, "ray": result["ray"],

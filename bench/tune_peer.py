@@ -181,26 +181,10 @@ def _ray(python: str, size: dict[str, Any]) -> dict[str, Any]:
 
     params = sweep_params(size["trials"])
     curves = [learning_curve(p["lr"], p["dropout"], size["steps"]) for p in params]
-    directory = scratch("pruning-ray-")
-    try:
-        spec, out = directory / "spec.json", directory / "out.json"
-        spec.write_text(json.dumps({"curves": curves, "step_seconds": size["step_seconds"], "gpus": GPUS,
-                                    "num_cpus": RAY_CPUS, "cpu_per_trial": RAY_CPU_PER_TRIAL, "grace_period": GRACE,
-                                    "reduction_factor": REDUCTION, "storage": str(directory / "ray-results")}))
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"RAY_USAGE_STATS_ENABLED": "0"}
-        started = time.time()
-        done = subprocess.run([python, str(SCRIPTS / "ray_tune_sweep.py"), str(spec), str(out)], cwd=directory,
-                              env=env, capture_output=True, text=True, timeout=900)
-        wall = time.time() - started
-        if done.returncode != 0 or not out.exists():
-            raise RuntimeError(f"Ray Tune exited {done.returncode}: {done.stderr.strip()[-400:]}")
-        result = json.loads(out.read_text())
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
+    spec = {"curves": curves, "step_seconds": size["step_seconds"], "gpus": GPUS, "num_cpus": RAY_CPUS,
+            "cpu_per_trial": RAY_CPU_PER_TRIAL, "grace_period": GRACE, "reduction_factor": REDUCTION}
+    result, wall = run_ray_script(python, "ray_tune_sweep.py", spec, "pruning-ray-")
     records = result["records"]
-    failed = [r for r in records if "error" in r]
-    if failed:
-        raise RuntimeError(f"{len(failed)} Ray Tune trials failed: {failed[0]['error']}")
     finished = {r["trial"]: r["loss"] for r in records if not r["pruned"]}
     full = {i: c[-1] for i, c in enumerate(curves)}
     best, expected = best_of(finished), best_of(full)
@@ -277,3 +261,26 @@ def summarize(sweeps: dict[str, list[dict[str, Any]]], problems: dict[str, str],
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def run_ray_script(python: str, script: str, spec: dict[str, Any], prefix: str) -> tuple[dict[str, Any], float]:
+    """bench/scripts/SCRIPT under Ray's interpreter with SPEC (its "storage" added) in a scratch folder: its
+    output and wall seconds; RuntimeError if it failed or a trial did."""
+    directory = scratch(prefix)
+    try:
+        spec_file, out = directory / "spec.json", directory / "out.json"
+        spec_file.write_text(json.dumps({**spec, "storage": str(directory / "ray-results")}))
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"RAY_USAGE_STATS_ENABLED": "0"}
+        started = time.time()
+        done = subprocess.run([python, str(SCRIPTS / script), str(spec_file), str(out)], cwd=directory,
+                              env=env, capture_output=True, text=True, timeout=900)
+        wall = time.time() - started
+        if done.returncode != 0 or not out.exists():
+            raise RuntimeError(f"Ray Tune exited {done.returncode}: {done.stderr.strip()[-400:]}")
+        result = json.loads(out.read_text())
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    failed = [r for r in result["records"] if "error" in r]
+    if failed:
+        raise RuntimeError(f"{len(failed)} Ray Tune trials failed: {failed[0]['error']}")
+    return result, wall
