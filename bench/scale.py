@@ -5,6 +5,7 @@ ThreadPoolTaskRunner (no cluster; at the middle size).
 
     python -m bench.scale --sizes 1000,10000,100000 --out scale.json
     python -m bench.scale --quick --out scale.json      # 200 trials, hpc-garage and Client.map: the bench works
+    python -m bench.scale --sizes 100000 --contenders hpc-garage --store   # one row, stored in bench/results/runs/
 
 Each row is one `hpc-garage run` with a HOME of its own (so its own Prefect server and database, stopped after):
 trials/s (the flow's first submission to its last result read), the time per 1,000 trials at the start (the second
@@ -26,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import BIN, PYTHON, ROOT, Figure, compare, say
+from bench.common import BIN, PYTHON, ROOT, Figure, compare, machine, say
 
 STEP = 1000
 KINDS = {"hpc-garage": "hpc-garage task_runner()", "dask": "raw Client.map, same workers",
@@ -39,15 +40,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="1000,10000,100000", help="trial counts (hpc-garage and raw Client.map)")
     parser.add_argument("--quick", action="store_true", help="200 trials, hpc-garage and raw Client.map only")
     parser.add_argument("--runs", type=int, default=1, help="ignored: each size is one run (minutes each)")
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--contenders", default=",".join(KINDS), help=f"of {', '.join(KINDS)} (comma-separated)")
+    parser.add_argument("--out", type=Path, help="the section as JSON (python -m bench reads it)")
+    parser.add_argument("--store", action="store_true", help="store it in bench/results/runs/ as python -m bench does")
     args = parser.parse_args(argv)
+    wanted = args.contenders.split(",")
+    if not (args.out or args.store) or set(wanted) - set(KINDS):
+        parser.error(f"--contenders {args.contenders}: of {', '.join(KINDS)}; and --out FILE or --store")
+    began, about = time.monotonic(), machine()
     sizes = [200] if args.quick else [int(s) for s in args.sizes.split(",")]
     rows = [(kind, n) for n in sizes for kind in ("hpc-garage", "dask")]
     if not args.quick:  # each row is a run of its own (a cluster, a server): --quick keeps two
         rows.insert(2, ("prefect-dask", sizes[0]))
         rows.append(("threads", sizes[min(1, len(sizes) - 1)]))
-    found = [measure(kind, n) for kind, n in rows]
-    args.out.write_text(json.dumps(section(found), indent=2) + "\n")
+    found = [measure(kind, n) for kind, n in rows if kind in wanted]
+    if args.out:
+        args.out.write_text(json.dumps(section(found), indent=2) + "\n")
+    if args.store:
+        from bench.report import store_run, write_index
+
+        command = " ".join(["python -m bench.scale", *(argv if argv is not None else sys.argv[1:])])
+        store_run(ROOT / "bench" / "results", "scale", section(found) | {"seconds": round(time.monotonic() - began)},
+                  about, command, os.getloadavg()[0], 1, args.quick)
+        write_index(ROOT / "bench" / "results")
     return 0 if all(r.get("right") for r in found) else 1
 
 
