@@ -41,8 +41,8 @@ from hpc_garage.schedulers.submission import (CANCEL_MARGIN, JobView, Prepared, 
                                               refresh, run_roots, start_wind_down, submit)
 
 __all__ = ["VARIABLES", "FlowRunJob", "Taken", "Busy", "request_of", "prepare_flow_run", "secrets_of",
-           "secrets_file", "drop_secrets", "take", "claim_of", "job_of_dead_claim", "views", "cancel", "wind_down", "CANCEL_MARGIN", "ended",
-           "next_job_of", "run_roots"]
+           "secrets_file", "drop_secrets", "take", "claim_of", "job_of_dead_claim", "views", "cancel", "wind_down",
+           "CANCEL_MARGIN", "ended", "next_job_of", "run_roots"]
 
 logger = logging.getLogger(__name__)
 
@@ -193,11 +193,9 @@ def take(job: FlowRunJob, prepared: Prepared) -> Taken:
         if claim and claim.get("job_id"):
             return Taken(str(claim["job_id"]), claim.get("site") or site, fresh=False)
         if claim:
-            pid = int(claim.get("pid") or 0)
-            if pid and pid != os.getpid() and claim.get("host") == socket.gethostname() and pid_alive(pid):
-                raise Busy(f"flow run {job.flow_run_id} is being submitted by process {pid}")
-            batch = get(prepared.spec.scheduler)
-            found = batch.jobs_named(str(claim.get("job_name")))
+            if _claimer_alive(claim):
+                raise Busy(f"flow run {job.flow_run_id} is being submitted by process {claim['pid']}")
+            found = get(prepared.spec.scheduler).jobs_named(str(claim.get("job_name")))
             if found:  # its submitter died after sbatch took the job, before it noted the id (or recorded it)
                 _write_secrets(job, prepared)
                 adopted = adopt(prepared, found[0])
@@ -225,8 +223,7 @@ def job_of_dead_claim(flow_run_id: str, claim: Mapping[str, Any],
     from hpc_garage.schedulers import get
     from hpc_garage.sites import load_site
 
-    pid = int(claim.get("pid") or 0)
-    if (pid and claim.get("host") == socket.gethostname() and pid_alive(pid)) or not claim.get("job_name"):
+    if _claimer_alive(claim) or not claim.get("job_name"):
         return None  # its worker notes the job itself
     found = get(load_site(str(claim.get("site") or "")).scheduler).jobs_named(str(claim["job_name"]))
     if not found:
@@ -238,6 +235,12 @@ def job_of_dead_claim(flow_run_id: str, claim: Mapping[str, Any],
             break
     logger.info("flow run %s: job %s of its dead worker found in the queue, running the flow", flow_run_id, found[0])
     return {**claim, "job_id": found[0]}
+
+
+def _claimer_alive(claim: Mapping[str, Any]) -> bool:
+    """The worker (another process of this host) that wrote the claim still lives: it notes the job itself."""
+    pid = int(claim.get("pid") or 0)
+    return bool(pid) and pid != os.getpid() and claim.get("host") == socket.gethostname() and pid_alive(pid)
 
 
 def claim_of(flow_run_id: str, roots: Sequence[RunRoot] | None = None) -> dict[str, Any] | None:
