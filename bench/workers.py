@@ -177,6 +177,7 @@ def _tasks(address: str, tls: dict[str, str], tasks: int, hold: float, n: int) -
     """`tasks` trivial tasks through a client, as a flow submits them; then idle until `hold` s have passed."""
     from distributed import Client
 
+    from hpc_garage.cluster.handoff import workers_now
     from hpc_garage.launchers.common import security_from
 
     with Client(address, security=security_from(tls), timeout=120) as client:
@@ -187,7 +188,7 @@ def _tasks(address: str, tls: dict[str, str], tasks: int, hold: float, n: int) -
         del futures
         while time.time() - begun < hold:
             time.sleep(1)
-        workers = len(client.scheduler_info(n_workers=-1)["workers"])
+        workers = len(workers_now(client))
     return {"tasks": tasks, "seconds": done - begun, "rate": tasks / max(done - begun, 1e-9), "held_s": time.time() - begun,
             "right": total == tasks * (tasks - 1) // 2 + tasks, "workers_after": workers, "started": begun, "ended": done}
 

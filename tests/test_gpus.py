@@ -741,7 +741,7 @@ def test_in_a_real_job_each_worker_is_bound_next_to_its_gpu(tmp_path: Path) -> N
     check.write_text(textwrap.dedent("""\
         import json, os, re, sys
         from distributed import Client
-        from hpc_garage.cluster.handoff import handoff_from_env
+        from hpc_garage.cluster.handoff import handoff_from_env, workers_now
 
         def status():
             def allowed(path):
@@ -753,7 +753,7 @@ def test_in_a_real_job_each_worker_is_bound_next_to_its_gpu(tmp_path: Path) -> N
         h = handoff_from_env()
         with Client(h.address, security=h.security(), timeout=30) as c:
             seen = {}
-            for name in [w["name"] for w in c.scheduler_info(n_workers=-1)["workers"].values()]:
+            for name in [w["name"] for w in workers_now(c).values()]:
                 seen[name] = c.submit(status, workers=[name], pure=False, key=f"status-{name}").result()
         for s in seen.values():  # from outside the worker, as an admin would look
             s["outside"] = re.search(r"Cpus_allowed_list:\\s*(\\S+)", open(f"/proc/{s['pid']}/status").read()).group(1)

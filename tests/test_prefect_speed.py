@@ -16,6 +16,7 @@ from prefect.context import FlowRunContext
 from prefect_dask import DaskTaskRunner
 
 import hpc_garage
+from hpc_garage.cluster.handoff import workers_now
 from hpc_garage.prefect import fast as prefect_fast
 from hpc_garage.prefect.task_runner import HpcTaskRunner
 from tests.conftest import task_runs
@@ -29,7 +30,7 @@ def stats(cluster: SpecCluster) -> dict[str, dict[str, int]]:
     """prefect_fast's counters in each worker process, by worker name."""
     with Client(cluster.scheduler_address) as client:
         by_address = client.run(prefect_fast.worker_stats)
-        names = {a: w["name"] for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
+        names = {a: w["name"] for a, w in workers_now(client).items()}
     return {names[a]: s for a, s in by_address.items()}
 
 

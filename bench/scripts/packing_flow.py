@@ -154,8 +154,10 @@ def _executing(keys: list, dask_worker=None) -> dict:
 def _threads(runner) -> dict:
     from distributed import Client
 
+    from hpc_garage.cluster.handoff import workers_now
+
     with Client(runner.address, **{k: v for k, v in runner.client_kwargs.items() if k == "security"}) as client:
-        workers = client.scheduler_info(n_workers=-1)["workers"].values()
+        workers = workers_now(client).values()
         return {"threads": sum(w["nthreads"] for w in workers),
                 "gpus": sum(w.get("resources", {}).get("GPU", 0) for w in workers), "workers": len(workers)}
 

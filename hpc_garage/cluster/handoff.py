@@ -141,6 +141,15 @@ def _refuse_stale(path: Path, ours: dict[str, Any]) -> None:
                         "run that wrote it has ended: rerun the job")
 
 
+def workers_now(client: Any) -> dict[str, dict[str, Any]]:
+    """Every worker the scheduler has now (address → its info), asked of the scheduler itself.
+
+    Not `client.scheduler_info(n_workers=-1)["workers"]`: that returns an attribute the client's own 2-s
+    refresh overwrites with a copy that lists no worker, so a thread can read none while there are six.
+    """
+    return dict(client.sync(client.scheduler.identity, n_workers=-1)["workers"])
+
+
 def handoff_from_env(env: Mapping[str, str] | None = None, timeout: float | None = None) -> Handoff | None:
     """The cluster this process was handed through $HPC_GARAGE_SCHEDULER_FILE, or None when it is unset.
 

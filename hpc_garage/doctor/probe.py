@@ -228,7 +228,7 @@ def _expected(site: Any, env: Mapping[str, str]) -> dict[str, Any]:
 
 def _cluster(site: Any, token_file: Path, found: Findings) -> int:
     """Wait for the workers as a flow would (the scheduler file), then ask each of them, and each rank."""
-    from hpc_garage.cluster.handoff import handoff_from_env
+    from hpc_garage.cluster.handoff import handoff_from_env, workers_now
     from hpc_garage.core.errors import UserError
 
     started = time.monotonic()
@@ -243,8 +243,7 @@ def _cluster(site: Any, token_file: Path, found: Findings) -> int:
     from distributed import Client
 
     with Client(handoff.address, security=handoff.security(), timeout=60) as client:
-        info = client.scheduler_info(n_workers=-1)  # all of them, not the first five
-        names = sorted(str(w.get("name")) for w in info["workers"].values())
+        names = sorted(str(w.get("name")) for w in workers_now(client).values())
         found(workers={"expected": handoff.workers, "registered": names, "waited": time.monotonic() - started})
         facts = client.run(worker_facts, site.node.gpu_vendor, str(token_file))
         found(worker_facts=list(facts.values()))

@@ -44,7 +44,7 @@ from hpc_garage.prefect.flow_api import local_address_towards, settle_api
 from hpc_garage.prefect.metrics import TrialMetrics
 from hpc_garage.pruning import check_settings
 from hpc_garage.core.errors import UserError
-from hpc_garage.cluster.handoff import handoff_from_env
+from hpc_garage.cluster.handoff import handoff_from_env, workers_now
 from hpc_garage.rundir import note_flow_run
 from hpc_garage.prefect.sweep_cache import SweepTasks
 from hpc_garage.prefect.tags import resources_from_tags
@@ -318,7 +318,7 @@ def worker_resources() -> list[dict[str, float]]:
 
 def _offered(client: Any) -> list[dict[str, float]]:
     """What the workers offer, and what pools that can still grow (from zero) will offer (exported by `run`)."""
-    running = [dict(w.get("resources") or {}) for w in client.scheduler_info(n_workers=-1)["workers"].values()]
+    running = [dict(w.get("resources") or {}) for w in workers_now(client).values()]
     return running + json.loads(os.environ.get(POOL_RESOURCES_ENV, "[]"))
 
 

@@ -9,7 +9,7 @@ import time
 
 from distributed import Client
 
-from hpc_garage.cluster.handoff import handoff_from_env
+from hpc_garage.cluster.handoff import handoff_from_env, workers_now
 
 KEYS = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "SLURMD_NODENAME", "PREFECT_API_URL", "HPC_GARAGE_SITE")
 
@@ -44,7 +44,7 @@ def main(out: str) -> None:
         workers = {
             w["name"]: {"resources": w["resources"], "nthreads": w["nthreads"], "memory_limit": w["memory_limit"],
                         "env": envs[addr]}
-            for addr, w in c.scheduler_info(n_workers=-1)["workers"].items()
+            for addr, w in workers_now(c).items()
         }
     run_dir = os.path.dirname(path)
     record = {

@@ -15,7 +15,7 @@ import time
 import dask
 from distributed import Client, get_worker
 
-from hpc_garage.cluster.handoff import handoff_from_env
+from hpc_garage.cluster.handoff import handoff_from_env, workers_now
 
 
 def probe(kind: str, duration: float) -> dict:
@@ -42,7 +42,7 @@ def main() -> None:
 
         def watch() -> None:
             while not done.is_set():
-                samples.append((time.time(), len(client.scheduler_info(n_workers=-1)["workers"])))
+                samples.append((time.time(), len(workers_now(client))))
                 done.wait(0.5)
 
         watcher = threading.Thread(target=watch, daemon=True)
@@ -59,11 +59,11 @@ def main() -> None:
         t_done = time.time()
         if args.watch:  # then watch the cluster shrink once idle
             deadline = time.time() + float(os.environ.get("PROBE_SHRINK_WAIT", "40"))
-            while time.time() < deadline and len(client.scheduler_info(n_workers=-1)["workers"]) > 0:
+            while time.time() < deadline and len(workers_now(client)) > 0:
                 time.sleep(0.5)
             done.set()
             watcher.join()
-            samples.append((time.time(), len(client.scheduler_info(n_workers=-1)["workers"])))
+            samples.append((time.time(), len(workers_now(client))))
     with open(args.out, "w") as f:
         json.dump({"records": records, "samples": samples, "done": t_done}, f, indent=1)
 
