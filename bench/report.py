@@ -158,17 +158,24 @@ def _extra(name: str, section: dict[str, Any]) -> list[str]:
                 out.append(f"| {r['run'] + 1} | {who} | " + " | ".join(shown) + f" | {r.get('pruned', '–')} |")
         out.append("")
     if name == "scale" and section.get("rows"):  # issue 32: each size and contender, one line
-        out += ["", "| contender | trials | trials/s | per 1,000 at start → end | peak RSS MiB | server CPU/trial |",
-                "|---|---|---|---|---|---|"]
+        out += ["", "| contender | trials | trials/s | per 1,000 at start → end | peak RSS MiB | server CPU/trial |"
+                " cores busy, first → last tenth |", "|---|---|---|---|---|---|---|"]
         for r in section["rows"]:
             if "error" in r:
-                out.append(f"| {r['kind']} | {r['n']:,} | failed: {r['error']} | | | |")
+                out.append(f"| {r['kind']} | {r['n']:,} | failed: {r['error']} | | | | |")
                 continue
             rss = ", ".join(f"{k} {v:,}" for k, v in r["peak_rss_mib"].items())
             server = "–" if r.get("server_cpu_ms_per_trial") is None else f"{r['server_cpu_ms_per_trial']:.1f} ms"
+            cores = ", ".join(f"{k} {v}" for k, v in r.get("cores_start_end", {}).items()) or "–"
             out.append(f"| {r['kind']} | {r['n']:,} | {r['trials_per_s']:.1f} | {r['per_1000_start_s']} s → "
-                       f"{r['per_1000_end_s']} s | {rss} | {server} |")
+                       f"{r['per_1000_end_s']} s | {rss} | {server} | {cores} |")
         out.append("")
+        for r in section["rows"]:
+            if ui := r.get("ui"):
+                out.append(f"- the UI after {r['n']:,} trials (chromium, SQLite): " + (
+                    f"failed: {ui['error']}" if "error" in ui else
+                    f"flow-run page {ui['flow_run_page_s']} s, Task Runs tab {ui['task_runs_tab_s']} s, once the "
+                    f"server had caught up ({ui['caught_up_s']} s after the run); `{ui['screenshot']}`"))
     if name == "cli" and section.get("json_bytes"):
         out.append(f"- `show --json` output for the big plan: {section['json_bytes'] / 1e6:.1f} MB")
     return out

@@ -43,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contenders", default=",".join(KINDS), help=f"of {', '.join(KINDS)} (comma-separated)")
     parser.add_argument("--out", type=Path, help="the section as JSON (python -m bench reads it)")
     parser.add_argument("--store", action="store_true", help="store it in bench/results/runs/ as python -m bench does")
+    parser.add_argument("--ui", action="store_true", help="then open hpc-garage's flow run in chromium (its "
+                        "page and Task Runs tab, timed, a screenshot in bench/results/) before the server stops")
     args = parser.parse_args(argv)
     wanted = args.contenders.split(",")
     if not (args.out or args.store) or set(wanted) - set(KINDS):
@@ -53,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.quick:  # each row is a run of its own (a cluster, a server): --quick keeps two
         rows.insert(2, ("prefect-dask", sizes[0]))
         rows.append(("threads", sizes[min(1, len(sizes) - 1)]))
-    found = [measure(kind, n) for kind, n in rows if kind in wanted]
+    found = [measure(kind, n, ui=args.ui and kind == "hpc-garage") for kind, n in rows if kind in wanted]
     if args.out:
         args.out.write_text(json.dumps(section(found), indent=2) + "\n")
     if args.store:
@@ -66,8 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(r.get("right") for r in found) else 1
 
 
-def measure(kind: str, n: int) -> dict[str, Any]:
-    """One row: `hpc-garage run --site local -- python -m bench.scale_flow N` in a HOME of its own."""
+def measure(kind: str, n: int, ui: bool = False) -> dict[str, Any]:
+    """One row: `hpc-garage run --site local -- python -m bench.scale_flow N` in a HOME of its own; with `ui`,
+    the flow run's page in chromium once the run has ended (bench/ui_at_size.py)."""
     say(f"scale: {kind}, {n:,} trials")
     with tempfile.TemporaryDirectory(prefix="hpc-garage-bench-scale-") as home:
         out = Path(home) / "flow.json"
@@ -83,8 +86,10 @@ def measure(kind: str, n: int) -> dict[str, Any]:
         sampler.start()
         try:
             _, stderr = process.communicate()
-        finally:
             wall = time.monotonic() - started
+            sampler.stop()  # the row's figures end with the run, before any browsing
+            seen = browse_run(env, home, n) if ui and process.returncode == 0 else {}
+        finally:
             sampler.stop()
             process.kill()  # interrupted: nothing of this row outlives it (the server, below)
             subprocess.run([str(BIN / "hpc-garage"), "server", "stop", "--force"], env=env, cwd=home,
@@ -96,10 +101,27 @@ def measure(kind: str, n: int) -> dict[str, Any]:
     row = {"kind": kind, "n": n, "right": flow["right"], "seconds": flow["seconds"], "run_seconds": round(wall, 1),
            "trials_per_s": round(n / flow["seconds"], 1), **per_thousand(flow["ends"], n),
            "peak_rss_mib": sampler.peak_mib(), "server_cpu_ms_per_trial": sampler.server_cpu_ms(n),
-           **{k: flow[k] for k in ("limit", "peak_in_flight", "released") if k in flow}}
+           "cores_start_end": sampler.cores_by_kind(),
+           **{k: flow[k] for k in ("limit", "peak_in_flight", "released") if k in flow}, **seen}
     say(f"scale: {kind} {n:,}: {row['trials_per_s']} trials/s, per 1,000 {row['per_1000_start_s']} s → "
         f"{row['per_1000_end_s']} s, RSS {row['peak_rss_mib']} MiB, server {row['server_cpu_ms_per_trial']} ms/trial")
     return row
+
+
+def browse_run(env: dict[str, str], home: str, n: int) -> dict[str, Any]:
+    """The run's flow run in chromium, its server still up: seconds to its page and its Task Runs tab."""
+    from bench.concurrent_sweeps import _post
+    from bench.ui_at_size import browse, caught_up
+
+    code = "import json; from hpc_garage.prefect.server import ensure_api; print(json.dumps(ensure_api()))"
+    try:
+        api = json.loads(subprocess.run([PYTHON, "-c", code], env=env, cwd=home, capture_output=True, text=True,
+                                        check=True, timeout=600).stdout)
+        flow_run = _post(api, "/flow_runs/filter", {"limit": 1})[0]["id"]
+        shot = Path("bench") / "results" / f"ui-scale-sqlite-{n}.png"
+        return {"ui": {"caught_up_s": caught_up(env)} | browse(api, flow_run, ROOT / shot) | {"screenshot": str(shot)}}
+    except Exception as exc:  # noqa: BLE001 - a bench: the failure is the result
+        return {"ui": {"error": f"{type(exc).__name__}: {exc}"[:500]}}
 
 
 def per_thousand(ends: list[float], n: int) -> dict[str, float | None]:
@@ -138,6 +160,7 @@ class Sampler:
         self.root, self.home = root, home
         self.peak: dict[str, int] = {}
         self.server_cpu: list[float] = []  # the server's CPU seconds at each sample while the flow ran
+        self.cpu: list[tuple[float, dict[str, float]]] = []  # CPU seconds by kind at each sample while it ran
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -155,6 +178,20 @@ class Sampler:
         if len(self.server_cpu) < 2:
             return None
         return round((self.server_cpu[-1] - self.server_cpu[0]) * 1000 / n, 2)
+
+    def cores_by_kind(self) -> dict[str, str]:
+        """Cores each kind kept busy in the first and in the last tenth of the flow's life: who is the
+        bottleneck when the time per 1,000 grows."""
+        if len(self.cpu) < 20:
+            return {}
+        tenth = len(self.cpu) // 10
+
+        def cores(a: int, b: int) -> dict[str, float]:
+            (t0, c0), (t1, c1) = self.cpu[a], self.cpu[b]
+            return {k: (c1.get(k, 0.0) - c0.get(k, 0.0)) / max(t1 - t0, 1e-9) for k in c1}
+
+        start, end = cores(0, tenth), cores(-1 - tenth, -1)
+        return {k: f"{start.get(k, 0):.2f} → {end.get(k, 0):.2f}" for k in sorted(end) if k != "other"}
 
     def _processes(self) -> list[Any]:
         import psutil
@@ -178,6 +215,7 @@ class Sampler:
         while not self._stop.is_set():
             sums: dict[str, int] = {}
             server_cpu, flow_alive = 0.0, False
+            by_kind: dict[str, float] = {}
             for p in self._processes():
                 try:
                     kind = kind_of(p.pid, self.root, " ".join(p.cmdline()))
@@ -186,12 +224,14 @@ class Sampler:
                     continue
                 sums[kind] = sums.get(kind, 0) + rss
                 flow_alive = flow_alive or kind == "flow"
+                by_kind[kind] = by_kind.get(kind, 0.0) + cpu.user + cpu.system
                 if kind in ("server", "database"):
                     server_cpu += cpu.user + cpu.system + cpu.children_user + cpu.children_system
             for kind, rss in sums.items():
                 self.peak[kind] = max(self.peak.get(kind, 0), rss)
             if flow_alive:
                 self.server_cpu.append(server_cpu)
+                self.cpu.append((time.monotonic(), by_kind))
             self._stop.wait(1.0)
 
 

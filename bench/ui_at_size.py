@@ -60,6 +60,7 @@ def measure(database: str, tasks: int, out: Path) -> dict[str, Any]:
             time.sleep(2)
         result |= {"flow_run_id": flow_run, "flow_and_recorded_s": round(time.monotonic() - began, 1),
                    "task_runs_in_api": int(_post(api, "/task_runs/count", body))}
+        result["caught_up_s"] = caught_up(env)  # its events stored too: the page as a user opens it later
         result |= browse(api, flow_run, out / f"ui-{database}-{tasks}.png")
     except Exception as exc:  # noqa: BLE001 - a bench: the failure is the result
         result["error"] = f"{type(exc).__name__}: {exc}"[:500]
@@ -68,6 +69,23 @@ def measure(database: str, tasks: int, out: Path) -> dict[str, Any]:
                        capture_output=True)
     say(f"UI at size: {json.dumps(result)}")
     return result
+
+
+def caught_up(env: dict[str, str], quiet: float = 0.2, timeout: float = 1800) -> float:
+    """Seconds until the server's CPU stays under `quiet` of a core for 3 s: it has stored and checked every
+    event of the flow (events are stored after the task runs are recorded)."""
+    import psutil
+
+    code = "import json; from hpc_garage.prefect.server import server_status; print(json.dumps(server_status()))"
+    status = json.loads(subprocess.run([PYTHON, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
+                                       check=True).stdout)
+    server, began = psutil.Process(int(status["server_pid"])), time.monotonic()
+    while time.monotonic() - began < timeout:
+        before = sum(server.cpu_times()[:2])
+        time.sleep(3)
+        if sum(server.cpu_times()[:2]) - before < 3 * quiet:
+            break
+    return round(time.monotonic() - began, 1)
 
 
 def browse(api: dict[str, str], flow_run: str, shot: Path) -> dict[str, Any]:
@@ -80,6 +98,13 @@ def browse(api: dict[str, str], flow_run: str, shot: Path) -> dict[str, Any]:
                                                        args=CHROMIUM_ARGS, viewport={"width": 1400, "height": 900})
         try:
             page = browser.pages[0] if browser.pages else browser.new_page()
+            sent: dict[Any, float] = {}
+            took: list[tuple[float, str]] = []  # each API call's seconds, request to last byte
+            page.on("request", lambda r: sent.__setitem__(r, time.monotonic()))
+            page.on("requestfinished", lambda r: "/api/" in r.url and took.append(
+                (time.monotonic() - sent.pop(r, time.monotonic()),
+                 f"{r.method} {r.url.split('/api', 1)[1]} {(r.post_data or '')[:300]}".rstrip()
+                 + f" (network {r.timing['responseEnd'] / 1000:.2f} s)")))
             page.goto(f"{ui}/runs/flow-run/{flow_run}")
             password = page.locator("input[type=password]")
             password.wait_for(timeout=60_000)
@@ -91,6 +116,7 @@ def browse(api: dict[str, str], flow_run: str, shot: Path) -> dict[str, Any]:
             page.get_by_role("tab", name="Task Runs").wait_for(timeout=120_000)
             page_s = time.monotonic() - started
             started = time.monotonic()
+            took.clear()
             page.get_by_role("tab", name="Task Runs").click()
             page.get_by_text(re.compile(r"^trial-")).first.wait_for(timeout=120_000)
             tab_s = time.monotonic() - started
@@ -98,7 +124,9 @@ def browse(api: dict[str, str], flow_run: str, shot: Path) -> dict[str, Any]:
             page.screenshot(path=str(shot), full_page=False)
         finally:
             browser.close()
-    return {"flow_run_page_s": round(page_s, 2), "task_runs_tab_s": round(tab_s, 2), "screenshot": str(shot)}
+    slowest = [f"{what} {seconds:.2f} s" for seconds, what in sorted(took, reverse=True)[:5]]
+    return {"flow_run_page_s": round(page_s, 2), "task_runs_tab_s": round(tab_s, 2), "screenshot": str(shot),
+            "tab_slowest_calls": slowest}
 
 
 if __name__ == "__main__":

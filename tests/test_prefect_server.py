@@ -146,6 +146,8 @@ def test_one_server_shared_reused_authenticated_and_stopped(home: Path) -> None:
     assert get(f"{url}/admin/version") == 401  # Prefect 3.8 enforces the auth string
     assert get(f"{url}/admin/version", "hpc-garage:wrong") == 401
     assert get(f"{url}/admin/version", auth) == 200
+    server_pid = server_status()["server_pid"]  # Prefect's server, in serve.py's process (its SQLite by index)
+    assert b"hpc_garage.prefect.server\0prefect\0server\0start\0" in Path(f"/proc/{server_pid}/cmdline").read_bytes()
 
     started = time.monotonic()
     assert ensure_api() == env  # reused, not restarted

@@ -1,6 +1,6 @@
 """The keeper: `python -m hpc_garage.prefect.server keep`, the process `managed.py` starts in the server directory.
 
-It starts `prefect server start` (and a PostgreSQL, postgres.py) as its children and stops them and itself once
+It starts `prefect server start` (through serve.py; and a PostgreSQL, postgres.py) as its children and stops them and itself once
 the server has been unused for HPC_GARAGE_PREFECT_SERVER_IDLE seconds (default 1800). In use means: a process
 it was handed to still runs (a lease), or the API's flow-run and task-run counts per state moved since the last
 look, or the API did not answer (a busy server is a used one), or a work-pool worker is online or a deployment
@@ -61,8 +61,9 @@ def keep(argv: list[str]) -> int:
             env["PREFECT_SERVER_DATABASE_CONNECTION_URL"] = postgres.start(sys.stdout.fileno())
         elif database.kind == "url" and database.url:
             env["PREFECT_SERVER_DATABASE_CONNECTION_URL"] = database.url
-        server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", args.host,
-                                   "--port", str(args.port), *([] if args.ui else ["--no-ui"]), "--analytics-off"],
+        server = subprocess.Popen([sys.executable, "-m", "hpc_garage.prefect.server", "prefect", "server", "start",
+                                   "--host", args.host, "--port", str(args.port), *([] if args.ui else ["--no-ui"]),
+                                   "--analytics-off"],
                                   env=env, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent(signal.SIGTERM))
         url = f"http://{url_host(args.host)}:{args.port}/api"
         state = ServerState(url=url, pid=os.getpid(), auth=env["PREFECT_SERVER_API_AUTH_STRING"], host=args.host,

@@ -1,0 +1,143 @@
+"""prefect/server/serve.py: the managed server's process, whose SQLite finds task runs by their natural key's
+index instead of reading the whole table for each batch the task-run recorder writes."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from hpc_garage.prefect.server import serve
+
+
+def test_a_tuple_in_list_of_placeholders_becomes_a_subquery_and_nothing_else_changes() -> None:
+    assert serve.indexed_tuple_in("SELECT t.id FROM t WHERE t.id IN (?, ?) OR (t.a, t.b) IN (VALUES (?, ?), (?, ?))") \
+        == "SELECT t.id FROM t WHERE t.id IN (?, ?) OR (t.a, t.b) IN (SELECT * FROM (VALUES (?, ?), (?, ?)))"
+    assert serve.indexed_tuple_in("x IN (VALUES (?, ?, ?)) AND y IN (VALUES (?, ?, ?))") \
+        == "x IN (SELECT * FROM (VALUES (?, ?, ?))) AND y IN (SELECT * FROM (VALUES (?, ?, ?)))"
+    for unchanged in ("INSERT INTO t (a, b) VALUES (?, ?), (?, ?)", "SELECT 1 WHERE x IN (?, ?)",
+                      "SELECT 1 WHERE (a, b) IN (VALUES (1, ?))", "SELECT 1 WHERE (a, b) IN (VALUES (?, ?), (?, 'x'))"):
+        assert serve.indexed_tuple_in(unchanged) == unchanged
+
+
+def _table(metadata: sa.MetaData) -> sa.Table:
+    """task_run's shape where it matters: an id and a unique natural key."""
+    return sa.Table("task_run", metadata, sa.Column("id", sa.String, primary_key=True),
+                    sa.Column("flow_run_id", sa.String), sa.Column("task_key", sa.String),
+                    sa.Column("dynamic_key", sa.String), sa.Column("padding", sa.String),
+                    sa.UniqueConstraint("flow_run_id", "task_key", "dynamic_key", name="uq_natural_key"))
+
+
+def _lookup(table: sa.Table, keys: list[tuple[str, str, str]]) -> sa.Select:
+    """The recorder's existence check: `id IN (...) OR (flow_run_id, task_key, dynamic_key) IN (...)`."""
+    return sa.select(table.c.id).where(sa.or_(table.c.id.in_(["absent"]), sa.tuple_(
+        table.c.flow_run_id, table.c.task_key, table.c.dynamic_key).in_(keys)))
+
+
+def _plan(path: Path, statement: str, parameters: tuple) -> str:
+    import sqlite3
+
+    with sqlite3.connect(path) as db:
+        return " | ".join(row[3] for row in db.execute(f"EXPLAIN QUERY PLAN {statement}", parameters))
+
+
+@pytest.mark.parametrize("driver", ["sqlite", "sqlite+aiosqlite"])
+def test_the_natural_key_lookup_uses_the_index_and_finds_the_same_rows(driver: str, tmp_path: Path) -> None:
+    serve.install()
+    serve.install()  # once is enough: installed twice, it rewrites once
+    metadata = sa.MetaData()
+    table = _table(metadata)
+    rows = [{"id": f"id-{i}", "flow_run_id": "f", "task_key": f"trial-{i % 7}", "dynamic_key": str(i),
+             "padding": "x" * 200} for i in range(3000)]
+    keys = [("f", f"trial-{i % 7}", str(i)) for i in range(0, 3000, 29)] + [("f", "trial-0", "absent")]
+    seen: list[tuple[str, tuple]] = []
+
+    def record(conn, cursor, statement, parameters, context, executemany) -> None:  # noqa: ANN001
+        if statement.startswith("SELECT"):
+            seen.append((statement, parameters))
+
+    url = f"{driver}:///{tmp_path / 'prefect.db'}"
+    if driver == "sqlite":
+        engine = sa.create_engine(url)
+        sa.event.listen(engine, "before_cursor_execute", record)
+        metadata.create_all(engine)
+        with engine.begin() as conn:
+            conn.execute(table.insert(), rows)
+            found = {r[0] for r in conn.execute(_lookup(table, keys))}
+    else:
+        from sqlalchemy.ext.asyncio import create_async_engine
+
+        async def run() -> set[str]:
+            engine = create_async_engine(url)  # as Prefect's server makes its engine
+            sa.event.listen(engine.sync_engine, "before_cursor_execute", record)
+            async with engine.begin() as conn:
+                await conn.run_sync(metadata.create_all)
+                await conn.execute(table.insert(), rows)
+                found = {r[0] for r in await conn.execute(_lookup(table, keys))}
+            await engine.dispose()
+            return found
+
+        found = asyncio.run(run())
+    assert found == {f"id-{i}" for i in range(0, 3000, 29)}
+    statement, parameters = seen[-1]
+    assert "IN (SELECT * FROM (VALUES (?, ?, ?), " in statement
+    plan = _plan(tmp_path / "prefect.db", statement, parameters)
+    assert "SEARCH task_run USING INDEX sqlite_autoindex_task_run_2" in plan and "SCAN task_run" not in plan, plan
+    # without the rewrite, SQLite reads the whole table for the same statement
+    unrewritten = statement.replace("IN (SELECT * FROM (VALUES ", "IN (VALUES ").replace(")))", "))")
+    assert "SCAN task_run" in _plan(tmp_path / "prefect.db", unrewritten, parameters)
+
+
+FLOW = """
+import sys
+from prefect import flow, task
+
+@task
+def trial(i: int) -> int:
+    return i
+
+@flow
+def sweep() -> list[int]:
+    return [f.result() for f in trial.map(range(5))]
+
+sys.exit(0 if sweep() == list(range(5)) else 1)
+"""
+
+
+@pytest.mark.slow
+def test_the_managed_server_records_task_runs_through_the_rewrite(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real managed server (SQLite): a flow's task runs are recorded, and its recorder's lookups were
+    rewritten (said once in the server's log)."""
+    import base64
+    import json
+    import os
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from hpc_garage.prefect.server import ServerDir, ensure_api, stop_server
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for name in ("PREFECT_API_URL", "PREFECT_PROFILE", "PREFECT_HOME", "PREFECT_API_AUTH_STRING"):
+        monkeypatch.delenv(name, raising=False)
+    api = ensure_api()
+    try:
+        done = subprocess.run([sys.executable, "-c", FLOW], env={**os.environ, **api}, capture_output=True,
+                              text=True, timeout=300, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr[-2000:]
+        request = urllib.request.Request(api["PREFECT_API_URL"] + "/task_runs/count", data=b"{}", method="POST",
+                                         headers={"Content-Type": "application/json", "Authorization": "Basic "
+                                                  + base64.b64encode(api["PREFECT_API_AUTH_STRING"].encode()).decode()})
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        deadline = time.monotonic() + 60
+        while (count := json.loads(opener.open(request, timeout=10).read())) < 5 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert count == 5
+        said = ServerDir.of().log_file.read_text()
+        assert said.count("task runs are looked up by their natural key's index (hpc-garage)") == 1, said[-3000:]
+    finally:
+        stop_server()
