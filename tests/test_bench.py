@@ -384,7 +384,7 @@ def test_the_benchmarks_page_shows_figures_only_from_stored_outputs() -> None:
 def test_scale_bench_reads_the_time_per_thousand_and_the_process_kinds_and_renders_its_rows() -> None:
     """bench/scale.py (issue 32): its arithmetic, no timing asserted."""
     from bench.report import markdown
-    from bench.scale import kind_of, per_thousand, section
+    from bench.scale import Sampler, kind_of, per_thousand, section
 
     ends = [i * 0.01 for i in range(2000)] + [20 + i * 0.02 for i in range(1, 1001)]  # 3,000, slower at the end
     found = per_thousand(list(reversed(ends)), 3000)
@@ -397,9 +397,15 @@ def test_scale_bench_reads_the_time_per_thousand_and_the_process_kinds_and_rende
                          "['distributed', 'hpc_garage.prefect.worker'])") == "workers"
     assert kind_of(10, 7, "python3 -m prefect server start --host 127.0.0.1") == "server"
     assert kind_of(11, 7, "postgres -D /x") == "database"
+    assert kind_of(12, 7, "python3 -m hpc_garage.prefect.server prefect server start --port 9") == "server"
+    sampler = Sampler(7, "/nonexistent")  # cores busy by kind: first tenth and last tenth of the samples
+    sampler.cpu = [(float(t), {"server": 0.5 * t if t < 90 else 45 + 0.9 * (t - 90), "flow": 0.2 * t})
+                   for t in range(101)]
+    assert sampler.cores_by_kind() == {"flow": "0.20 → 0.20", "server": "0.50 → 0.90"}
     row = {"kind": "hpc-garage", "n": 3000, "right": True, "seconds": 20.0, "trials_per_s": 150.0,
            "per_1000_start_s": 6.0, "per_1000_end_s": 6.5, "peak_rss_mib": {"flow": 200, "scheduler": 300},
-           "server_cpu_ms_per_trial": 3.5}
+           "server_cpu_ms_per_trial": 3.5, "cores_start_end": {"server": "0.50 → 0.90"},
+           "ui": {"caught_up_s": 9.0, "flow_run_page_s": 0.8, "task_runs_tab_s": 2.5, "screenshot": "x.png"}}
     slow = row | {"per_1000_end_s": 9.0}
     peer = row | {"kind": "dask", "trials_per_s": 500.0}
     for rows, met in (([row, peer], True), ([slow, peer], False),
@@ -410,7 +416,10 @@ def test_scale_bench_reads_the_time_per_thousand_and_the_process_kinds_and_rende
     assert [f["values"] for f in result["figures"]] == [[150.0], [500.0], []]
     text = markdown({"machine": {"date": "today"}, "quick": False, "runs": 1, "seconds": 1.0,
                      "benchmarks": {"scale": result}})
-    assert "| hpc-garage | 3,000 | 150.0 | 6.0 s → 6.5 s | flow 200, scheduler 300 | 3.5 ms |" in text
+    assert "| hpc-garage | 3,000 | 150.0 | 6.0 s → 6.5 s | flow 200, scheduler 300 | 3.5 ms | server 0.50 → 0.90 |" \
+        in text
+    assert ("- the UI after 3,000 trials (chromium, SQLite): flow-run page 0.8 s, Task Runs tab 2.5 s, once the "
+            "server had caught up (9.0 s after the run); `x.png`") in text
     assert "| threads | 3,000 | failed: exit code 1 |" in text
 
 
