@@ -88,7 +88,7 @@ def measure(kind: str, n: int, ui: bool = False) -> dict[str, Any]:
             _, stderr = process.communicate()
             wall = time.monotonic() - started
             sampler.stop()  # the row's figures end with the run, before any browsing
-            seen = browse_run(env, home, n) if ui and process.returncode == 0 else {}
+            seen = browse_run(env, n) if ui and process.returncode == 0 else {}
         finally:
             sampler.stop()
             process.kill()  # interrupted: nothing of this row outlives it (the server, below)
@@ -108,15 +108,13 @@ def measure(kind: str, n: int, ui: bool = False) -> dict[str, Any]:
     return row
 
 
-def browse_run(env: dict[str, str], home: str, n: int) -> dict[str, Any]:
+def browse_run(env: dict[str, str], n: int) -> dict[str, Any]:
     """The run's flow run in chromium, its server still up: seconds to its page and its Task Runs tab."""
     from bench.concurrent_sweeps import _post
-    from bench.ui_at_size import browse, caught_up
+    from bench.ui_at_size import browse, caught_up, managed_api
 
-    code = "import json; from hpc_garage.prefect.server import ensure_api; print(json.dumps(ensure_api()))"
     try:
-        api = json.loads(subprocess.run([PYTHON, "-c", code], env=env, cwd=home, capture_output=True, text=True,
-                                        check=True, timeout=600).stdout)
+        api = managed_api(env)
         flow_run = _post(api, "/flow_runs/filter", {"limit": 1})[0]["id"]
         shot = Path("bench") / "results" / f"ui-scale-sqlite-{n}.png"
         return {"ui": {"caught_up_s": caught_up(env)} | browse(api, flow_run, ROOT / shot) | {"screenshot": str(shot)}}

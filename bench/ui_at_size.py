@@ -46,9 +46,7 @@ def measure(database: str, tasks: int, out: Path) -> dict[str, Any]:
     env = {**os.environ, "HOME": str(home), "HPC_GARAGE_PREFECT_DATABASE": database}
     for name in ("PREFECT_API_URL", "PREFECT_API_AUTH_STRING", "PREFECT_PROFILE", "PREFECT_HOME"):
         env.pop(name, None)
-    code = "import json; from hpc_garage.prefect.server import ensure_api; print(json.dumps(ensure_api(timeout=600)))"
-    api = json.loads(subprocess.run([PYTHON, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
-                                    check=True).stdout)
+    api = managed_api(env)
     result: dict[str, Any] = {"database": database, "tasks": tasks}
     try:
         began = time.monotonic()
@@ -69,6 +67,13 @@ def measure(database: str, tasks: int, out: Path) -> dict[str, Any]:
                        capture_output=True)
     say(f"UI at size: {json.dumps(result)}")
     return result
+
+
+def managed_api(env: dict[str, str]) -> dict[str, str]:
+    """The managed server's API for the HOME in `env` (started if none runs): asked in a process of that HOME."""
+    code = "import json; from hpc_garage.prefect.server import ensure_api; print(json.dumps(ensure_api(timeout=600)))"
+    return json.loads(subprocess.run([PYTHON, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
+                                     check=True).stdout)
 
 
 def caught_up(env: dict[str, str], quiet: float = 0.2, timeout: float = 1800) -> float:

@@ -1,5 +1,5 @@
 """`python -m hpc_garage.prefect.server keep …`: the keeper (keeper.py), as managed.py starts it;
-`python -m hpc_garage.prefect.server prefect server start …`: the server itself (serve.py), as the keeper starts it."""
+`python -m hpc_garage.prefect.server prefect server start …`: the server (serve.py), as the keeper starts it."""
 
 import sys
 

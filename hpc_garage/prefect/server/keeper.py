@@ -1,7 +1,7 @@
 """The keeper: `python -m hpc_garage.prefect.server keep`, the process `managed.py` starts in the server directory.
 
-It starts `prefect server start` (through serve.py; and a PostgreSQL, postgres.py) as its children and stops them and itself once
-the server has been unused for HPC_GARAGE_PREFECT_SERVER_IDLE seconds (default 1800). In use means: a process
+It starts `prefect server start` (through serve.py) and a PostgreSQL (postgres.py) as its children and stops
+them and itself once the server has been unused for HPC_GARAGE_PREFECT_SERVER_IDLE seconds (default 1800). In use means: a process
 it was handed to still runs (a lease), or the API's flow-run and task-run counts per state moved since the last
 look, or the API did not answer (a busy server is a used one), or a work-pool worker is online or a deployment
 has an active schedule. It stops under the same lock `ensure_server` takes, after forgetting its record (state.py),
