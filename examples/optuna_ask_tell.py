@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import optuna
+from distributed import get_worker
 from prefect import flow, task
 
 import hpc_garage
@@ -52,7 +53,8 @@ def train(lr: float, dropout: float, steps: int, step_seconds: float) -> dict[st
                 raise trial.Interrupted(f"stopped at step {step}")
             pruned = True
             break
-    return {"loss": loss, "pruned": pruned, "start": start, "end": time.time()}
+    # where and when it ran: each worker holds one GPU, so a worker's trials must never overlap
+    return {"loss": loss, "pruned": pruned, "start": start, "end": time.time(), "worker": str(get_worker().name)}
 
 
 @flow

@@ -138,22 +138,14 @@ def test_a_search_stops_at_its_budget_runs_a_left_trial_first_and_ends_on_failur
 ASK_TELL = ROOT / "examples" / "optuna_ask_tell.py"
 
 
-def _concurrency(records: list[dict]) -> int:
-    edges = sorted([(r["start"], 1) for r in records] + [(r["end"], -1) for r in records])
-    busy, most = 0, 0
-    for _, step in edges:
-        busy += step
-        most = max(most, busy)
-    return most
-
-
 @pytest.mark.slurm
 @pytest.mark.slow
 def test_the_example_keeps_every_gpu_of_two_nodes_busy(tmp_path: Path) -> None:
-    """examples/optuna_ask_tell.py on 2 nodes x 4 GPUs: as many trials at once as GPUs, never more, and a GPU
-    whose trial ended gets the next one within about 1 s while trials are left to ask. Trials of 5 s: on a loaded
-    2-core CI machine, 2-s trials started so far apart that at most 7 ever ran at once."""
+    """examples/optuna_ask_tell.py on 2 nodes x 4 GPUs: every GPU runs trials, never two at once, and a GPU
+    whose trial ended gets the next one within about 1 s while trials are left to ask (tests/test_pruning_sweep.py's
+    idle_gaps says why that, not how many trials overlap across GPUs, is what is checked)."""
     from tests.test_durable import hpcg, site_file
+    from tests.test_pruning_sweep import idle_gaps, job_of
 
     site, out, trials, gpus = site_file(tmp_path), tmp_path / "search.json", 32, 8
     done = hpcg(["submit", "--site", str(site), "--nodes", "2", "--gpus-per-node", "4", "--time", "10", "--wait",
@@ -163,16 +155,13 @@ def test_the_example_keeps_every_gpu_of_two_nodes_busy(tmp_path: Path) -> None:
     summary = json.loads(out.read_text())
     assert summary["gpus"] == gpus and summary["workers"] == gpus and summary["told"] == trials, summary
     records = summary["records"]
-    assert len(records) == trials and _concurrency(records) == gpus
-    starts, ends = sorted(r["start"] for r in records), sorted(r["end"] for r in records)
-    gaps = [starts[k + gpus] - ends[k] for k in range(trials - gpus)]
-    print(f"search: {trials} trials on {gpus} GPUs ({summary['states']}); end -> next start: max {max(gaps):.2f} s, "
-          f"mean {sum(gaps) / len(gaps):.2f} s")
+    assert len(records) == trials
+    gaps = idle_gaps(records, gpus)
+    print(f"search: {trials} trials on {gpus} GPUs ({summary['states']}); a GPU idle between trials: max "
+          f"{max(gaps, default=0):.2f} s, mean {sum(gaps) / max(1, len(gaps)):.2f} s")
     # the hand-off is under 1 s (0.47-0.81 s at most on an idle machine); CI's 2 cores at load ~20 starve a
     # worker now and then (one gap of 1.04 s seen), so there the worst gap is held to 2 s and the median to 1 s
-    assert sorted(gaps)[len(gaps) // 2] < 1.0 and max(gaps) < 2.0, gaps
-    from tests.test_pruning_sweep import job_of
-
+    assert gaps and sorted(gaps)[len(gaps) // 2] < 1.0 and max(gaps) < 2.0, gaps
     job = job_of(done)  # status and the report show the search: its counts and its best trial
     status = hpcg(["status", job, "--site", str(site)], tmp_path).stdout
     assert f"search:         search: {trials} trials told (" in status and "best #" in status, status
