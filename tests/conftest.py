@@ -7,6 +7,7 @@ import functools
 import os
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -116,6 +117,15 @@ def _no_prefect_server_outlives_its_test(request: pytest.FixtureRequest) -> Iter
         for record in records:
             if (state := ServerDir(record.parent).state()) is not None:
                 terminate(state)
+
+
+@pytest.fixture(autouse=True)
+def _no_stop_outlives_its_test() -> Iterator[None]:
+    """A stop told to this process (a wind-down reaching a Dask worker that a test runs in-process) is
+    forgotten after the test: left set, every later test in the process would see `trial.should_stop()`."""
+    yield
+    if (stopping := sys.modules.get("hpc_garage.cluster.stopping")) is not None:
+        stopping.reset()
 
 
 @pytest.fixture
