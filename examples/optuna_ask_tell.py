@@ -65,8 +65,10 @@ def search(trials: int = 24, steps: int = 20, step_seconds: float = 0.2, seed: i
     study = hpc_garage.search(runs, space={"lr": ("log", 1e-5, 1.0), "dropout": ("float", 0.0, 0.6)},
                               trials=trials, metric="loss", seed=seed,
                               fixed={"steps": steps, "step_seconds": step_seconds})
-    # this job's trials (a resumed job's: the ones it ran): their number, state and when each ran on its worker
-    records = [{**r.output, "number": r.number, "state": r.state} for r in study.results if r.output]
+    # this job's trials (a resumed job's: the ones it ran): their number, state, when each ran on its worker and
+    # when the search had it in flight (from a GPU free for it to its end)
+    records = [{**r.output, "number": r.number, "state": r.state, "in_flight": [r.start, r.end]}
+               for r in study.results if r.output]
     summary = {"trials": len(study.study.trials), "gpus": gpus, "workers": study.workers, **study.summary(),
                "states": {s.upper(): n for s, n in study.counts().items() if s != "told" and n},
                "records": records}

@@ -141,11 +141,11 @@ ASK_TELL = ROOT / "examples" / "optuna_ask_tell.py"
 @pytest.mark.slurm
 @pytest.mark.slow
 def test_the_example_keeps_every_gpu_of_two_nodes_busy(tmp_path: Path) -> None:
-    """examples/optuna_ask_tell.py on 2 nodes x 4 GPUs: every GPU runs trials, never two at once, and a GPU
-    whose trial ended gets the next one within about 1 s while trials are left to ask (tests/test_pruning_sweep.py's
-    idle_gaps says why that, not how many trials overlap across GPUs, is what is checked)."""
+    """examples/optuna_ask_tell.py on 2 nodes x 4 GPUs: as many trials in flight as GPUs, never more, the first
+    wave one on each GPU, never two at once on a GPU, and a GPU whose trial ended gets the next one within about
+    1 s while trials are left to ask (tests/test_pruning_sweep.py's gpu_use)."""
     from tests.test_durable import hpcg, site_file
-    from tests.test_pruning_sweep import idle_gaps, job_of
+    from tests.test_pruning_sweep import gpu_use, job_of
 
     site, out, trials, gpus = site_file(tmp_path), tmp_path / "search.json", 32, 8
     done = hpcg(["submit", "--site", str(site), "--nodes", "2", "--gpus-per-node", "4", "--time", "10", "--wait",
@@ -156,7 +156,7 @@ def test_the_example_keeps_every_gpu_of_two_nodes_busy(tmp_path: Path) -> None:
     assert summary["gpus"] == gpus and summary["workers"] == gpus and summary["told"] == trials, summary
     records = summary["records"]
     assert len(records) == trials
-    gaps = idle_gaps(records, gpus)
+    gaps = gpu_use(records, gpus)
     print(f"search: {trials} trials on {gpus} GPUs ({summary['states']}); a GPU idle between trials: max "
           f"{max(gaps, default=0):.2f} s, mean {sum(gaps) / max(1, len(gaps)):.2f} s")
     # the hand-off is under 1 s (0.47-0.81 s at most on an idle machine); CI's 2 cores at load ~20 starve a
