@@ -1,6 +1,7 @@
 """`python -m bench`: every benchmark of issue 5 on this machine's local SLURM and login node, one command.
 
-    python -m bench                 full: 5 runs each, writes bench/results/latest.{md,json} and the timeline, and
+    python -m bench                 full: 5 runs each (pruning and search, the Ray Tune peers, at least 5 whatever
+                                    --runs says), writes bench/results/latest.{md,json} and the timeline, and
                                     each benchmark's own output into bench/results/runs/ (bench/report.py)
     python -m bench --quick         CI: tiny sizes, one run, into a temporary directory; asserts no timings
     python -m bench --only overhead,cli --runs 7 --out DIR
@@ -41,6 +42,7 @@ from bench.common import PYTHON, ROOT, machine, say, slurm_problem
 from bench.report import store_run, write_index, write_reports
 
 RESULTS = Path(__file__).resolve().parent / "results"
+PEER_RUNS = 5  # issue 31: Ray Tune's spread needs at least 5 interleaved runs, whatever --runs the rest gets
 ORDER = ("cli", "overhead", "faults", "trials", "reports", "ui", "packing", "pruning", "search", "startup",
          "deployment", "scaling", "workers", "scale", "server")
 
@@ -91,14 +93,16 @@ def main(argv: list[str] | None = None) -> int:
             continue
         sections[name] = json.loads(target.read_text()) | {"seconds": round(time.monotonic() - begun, 1)}
         target.unlink()
-        once = 1 if name == "scale" else runs  # each size is one run of its own (minutes each)
+        once = 1 if name == "scale" else max(runs, PEER_RUNS) if name in ("pruning", "search") and not args.quick \
+            else runs  # scale: each size is one run of its own (minutes each)
         command = "python -m bench" + (" --quick" if args.quick else "") + f" --only {name} --runs {once}" + (
             f" --startup-nodes {args.startup_nodes}" if extra and name == "startup" else "") + (
             f" --worker-tasks {args.worker_tasks} --worker-hold {args.worker_hold} --worker-sizes {args.worker_sizes}"
             + (f" --worker-task-sizes {args.worker_task_sizes}" if args.worker_task_sizes else "") if name == "workers"
             else "") + (f" --scale-sizes {args.scale_sizes}" if name == "scale" and not args.quick else "")
         store_run(out, name, sections[name], at_start, command, os.getloadavg()[0], once, args.quick)
-    report = {"machine": info, "quick": args.quick, "runs": runs, "seconds": round(time.monotonic() - started, 1),
+    given = sys.argv[1:] if argv is None else argv
+    report = {"machine": info, "quick": args.quick, "runs": runs, "command": " ".join(["python -m bench", *given]), "seconds": round(time.monotonic() - started, 1),
               "benchmarks": sections}
     md, js = write_reports(report, out)
     index = write_index(out)
@@ -141,12 +145,12 @@ def _arguments(name: str, quick: bool, runs: int, out: Path) -> list[str]:
         if quick:  # hpc-garage without pruner and with ASHA, and Ray Tune where its environment is built already
             return ["--runs", "1", "--trials", "8", "--steps", "8", "--step-seconds", "0.2", "--pruners", "none,asha",
                     "--no-ray-build"]
-        return ["--runs", str(runs)]
+        return ["--runs", str(max(runs, PEER_RUNS))]
     if name == "search":  # issue 34: two SLURM jobs (one uninterrupted, one cancelled + resumed) and Ray Tune a run
         if quick:  # one small search, no resume, Ray Tune only where its environment is built already
             return ["--runs", "1", "--resume-runs", "0", "--trials", "8", "--steps", "6", "--step-seconds", "0.2",
                     "--budget", "1000", "--no-ray-build"]
-        return base
+        return ["--runs", str(max(runs, PEER_RUNS))]
     if name == "packing":
         # quick: not prefect-submitit (a Python 3.12 venv to build, and an interpreter start per trial)
         sizes = ["--gpu-trials", "8", "--cpu-trials", "2", "--seconds", "0.2", "--layouts", "ours,guide,jobqueue"] if quick else []

@@ -80,8 +80,10 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         "# hpc-garage benchmarks" + (" (quick mode: tiny sizes, one run; not figures)" if report["quick"] else ""),
         "",
-        f"`python -m bench`{' --quick' if report['quick'] else ''}, {m['date']}, {report['seconds']:.0f} s in all. "
-        f"Median of {report['runs']} run(s), min–max; ratio = hpc-garage / peer, both measured in this run.",
+        f"`{report.get('command') or 'python -m bench' + (' --quick' if report['quick'] else '')}`, {m['date']}, "
+        f"{report['seconds']:.0f} s in all. Median of {report['runs']} run(s)"
+        f"{'' if report['quick'] or report['runs'] >= 5 else ' (pruning and search: 5)'}, min–max; "
+        "ratio = hpc-garage / peer, both measured in this run.",
         "",
         "| benchmark | who | median | min–max | ratio to peers | goal | met? |",
         "|---|---|---|---|---|---|---|",
