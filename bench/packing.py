@@ -170,9 +170,11 @@ def submitit_python() -> str:
     python = venv / "bin" / "python"
     if python.exists() and subprocess.run([str(python), "-c", "import prefect_submitit"], capture_output=True).returncode == 0:
         return str(python)
-    base = next((p for p in (shutil.which("python3.13"), shutil.which("python3.12")) if p), None)
+    base = next((p for p in _pythons_312() if subprocess.run([p, "-c", "pass"], capture_output=True).returncode == 0),
+                None)  # a pyenv shim of a version that is installed but not selected is on PATH yet fails (127)
     if base is None:
-        raise RuntimeError("prefect-submitit needs Python >= 3.12 and none is on PATH (python3.12, python3.13)")
+        raise RuntimeError("prefect-submitit needs Python >= 3.12 and none runs (python3.12, python3.13 on PATH "
+                           "or in pyenv's versions)")
     say(f"packing: building {venv} for prefect-submitit (once)")
     subprocess.run([base, "-m", "venv", str(venv)], check=True, capture_output=True)
     done = subprocess.run([str(python), "-m", "pip", "install", "-q", "prefect-submitit>=0.1,<0.2",
@@ -180,6 +182,14 @@ def submitit_python() -> str:
     if done.returncode != 0:
         raise RuntimeError(f"pip install prefect-submitit: {done.stderr.strip()[-300:]}")
     return str(python)
+
+
+def _pythons_312() -> list[str]:
+    """Interpreters of Python 3.12 or newer: on PATH, then pyenv's installed versions (not selected ones)."""
+    found = [p for p in (shutil.which("python3.13"), shutil.which("python3.12")) if p]
+    root = Path(os.environ.get("PYENV_ROOT") or Path.home() / ".pyenv") / "versions"
+    found += sorted((str(p) for p in root.glob("3.1[2-9]*/bin/python3")), reverse=True)
+    return found
 
 
 # ------------------------------------------------------------------------------------------- analysis

@@ -259,9 +259,6 @@ def summarize(sweeps: dict[str, list[dict[str, Any]]], problems: dict[str, str],
             "sweeps": {k: [{x: v for x, v in s.items() if x != "records"} for s in runs] for k, runs in sweeps.items()}}
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
 
 def run_ray_script(python: str, script: str, spec: dict[str, Any], prefix: str) -> tuple[dict[str, Any], float]:
     """bench/scripts/SCRIPT under Ray's interpreter with SPEC (its "storage" added) in a scratch folder: its
@@ -284,3 +281,7 @@ def run_ray_script(python: str, script: str, spec: dict[str, Any], prefix: str) 
     if failed:
         raise RuntimeError(f"{len(failed)} Ray Tune trials failed: {failed[0]['error']}")
     return result, wall
+
+
+if __name__ == "__main__":
+    sys.exit(main())
