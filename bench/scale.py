@@ -11,13 +11,15 @@ Each row is one `hpc-garage run` with a HOME of its own (so its own Prefect serv
 trials/s (the flow's first submission to its last result read), the time per 1,000 trials at the start (the second
 1,000: the first includes the workers' first imports) and at the end (the last 1,000), from the trials' own end
 times; peak RSS summed by process kind (the scheduler = `run`'s process, the flow, the workers, the Prefect server
-and its database) sampled every second; and the server's CPU per trial over the flow's life.
+and its database) sampled every second; the server's CPU per trial over the flow's life; and how long
+`hpc-garage status` and `hpc-garage status JOBID` take while the run runs (every 10 s, a fresh CLI each time).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import os
 import subprocess
 import sys
@@ -30,6 +32,7 @@ from typing import Any
 from bench.common import BIN, PYTHON, ROOT, Figure, compare, machine, say
 
 STEP = 1000
+PROBE_SECONDS = 10.0  # how often StatusProbe asks `hpc-garage status` while a run runs
 KINDS = {"hpc-garage": "hpc-garage task_runner()", "dask": "raw Client.map, same workers",
          "prefect-dask": "plain prefect-dask DaskTaskRunner, same workers",
          "threads": "Prefect ThreadPoolTaskRunner(2), no cluster"}
@@ -84,13 +87,20 @@ def measure(kind: str, n: int, ui: bool = False) -> dict[str, Any]:
                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         sampler = Sampler(process.pid, home)
         sampler.start()
+        probe = StatusProbe(env, home) if kind == "hpc-garage" else None
+        if probe is not None:
+            probe.start()
         try:
             _, stderr = process.communicate()
             wall = time.monotonic() - started
             sampler.stop()  # the row's figures end with the run, before any browsing
+            if probe is not None:
+                probe.stop()
             seen = browse_run(env, n) if ui and process.returncode == 0 else {}
         finally:
             sampler.stop()
+            if probe is not None:
+                probe.stop()
             process.kill()  # interrupted: nothing of this row outlives it (the server, below)
             subprocess.run([str(BIN / "hpc-garage"), "server", "stop", "--force"], env=env, cwd=home,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)
@@ -102,9 +112,12 @@ def measure(kind: str, n: int, ui: bool = False) -> dict[str, Any]:
            "trials_per_s": round(n / flow["seconds"], 1), **per_thousand(flow["ends"], n),
            "peak_rss_mib": sampler.peak_mib(), "server_cpu_ms_per_trial": sampler.server_cpu_ms(n),
            "cores_start_end": sampler.cores_by_kind(),
-           **{k: flow[k] for k in ("limit", "peak_in_flight", "released") if k in flow}, **seen}
+           **{k: flow[k] for k in ("limit", "peak_in_flight", "released") if k in flow},
+           **({"status_s": probe.figures()} if probe is not None else {}), **seen}
     say(f"scale: {kind} {n:,}: {row['trials_per_s']} trials/s, per 1,000 {row['per_1000_start_s']} s → "
-        f"{row['per_1000_end_s']} s, RSS {row['peak_rss_mib']} MiB, server {row['server_cpu_ms_per_trial']} ms/trial")
+        f"{row['per_1000_end_s']} s, RSS {row['peak_rss_mib']} MiB, server {row['server_cpu_ms_per_trial']} ms/trial"
+        + "".join(f", `status{' JOBID' if what == 'job' else ''}` median {statistics.median(xs):.2f} s, max "
+                  f"{max(xs):.2f} s" for what, xs in (row.get("status_s") or {}).items()))
     return row
 
 
@@ -150,15 +163,12 @@ def kind_of(pid: int, root: int, cmdline: str) -> str:
     return "other"
 
 
-class Sampler:
-    """Peak RSS by process kind, and the server's CPU while the flow lives, every second: `run`'s process tree
-    and anything else started with this row's HOME (the server, once `run` has exited)."""
+class Background:
+    """What a row samples while its run runs: `_run` in a daemon thread until `stop`."""
 
-    def __init__(self, root: int, home: str) -> None:
-        self.root, self.home = root, home
-        self.peak: dict[str, int] = {}
-        self.server_cpu: list[float] = []  # the server's CPU seconds at each sample while the flow ran
-        self.cpu: list[tuple[float, dict[str, float]]] = []  # CPU seconds by kind at each sample while it ran
+    join_seconds = 10.0  # how long `stop` waits for the sample under way
+
+    def __init__(self) -> None:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -167,7 +177,56 @@ class Sampler:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(10)
+        self._thread.join(self.join_seconds)
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+
+class StatusProbe(Background):
+    """`hpc-garage status` (every job) and `hpc-garage status JOBID` (the run, its sweep read from its results
+    directory) while the run is running, every PROBE_SECONDS: issue 32's "status answers in <= 2 s while it
+    runs", timed as a user's shell would see it (a fresh CLI process each time)."""
+
+    join_seconds = 60.0  # a status call under way: its own timeout is 120 s, but it answers in seconds
+
+    def __init__(self, env: dict[str, str], home: str) -> None:
+        super().__init__()
+        self.env, self.home = env, home
+        self.seconds: dict[str, list[float]] = {"list": [], "job": []}
+
+    def figures(self) -> dict[str, list[float]]:
+        return {what: [round(x, 3) for x in xs] for what, xs in self.seconds.items() if xs}
+
+    def _timed(self, *args: str) -> tuple[float, str | None]:
+        began = time.monotonic()
+        done = subprocess.run([str(BIN / "hpc-garage"), "status", *args], env=self.env, cwd=self.home,
+                              capture_output=True, text=True, timeout=120)
+        return time.monotonic() - began, done.stdout if done.returncode == 0 else None
+
+    def _run(self) -> None:
+        while not self._stop.wait(PROBE_SECONDS):
+            took, out = self._timed("--json")
+            running = [j["job_id"] for j in json.loads(out or "[]") if j["scheduler"] == "local"
+                       and str(j["summary"]).startswith("running") and j["summary"] != "running (starting)"]
+            if not running or self._stop.is_set():
+                continue  # starting or ending: not "while it runs"
+            self.seconds["list"].append(took)
+            took, out = self._timed(running[0])
+            if out is not None and not self._stop.is_set():
+                self.seconds["job"].append(took)
+
+
+class Sampler(Background):
+    """Peak RSS by process kind, and the server's CPU while the flow lives, every second: `run`'s process tree
+    and anything else started with this row's HOME (the server, once `run` has exited)."""
+
+    def __init__(self, root: int, home: str) -> None:
+        super().__init__()
+        self.root, self.home = root, home
+        self.peak: dict[str, int] = {}
+        self.server_cpu: list[float] = []  # the server's CPU seconds at each sample while the flow ran
+        self.cpu: list[tuple[float, dict[str, float]]] = []  # CPU seconds by kind at each sample while it ran
 
     def peak_mib(self) -> dict[str, int]:
         return {k: round(v / 2**20) for k, v in sorted(self.peak.items()) if k != "other"}
@@ -249,6 +308,11 @@ def section(rows: list[dict[str, Any]]) -> dict[str, Any]:
             f"issue 32 scale: {r['n']:,} ")), None)
         if f.ours and f.met and row and row.get("per_1000_start_s") and row.get("per_1000_end_s"):
             f.met = row["per_1000_end_s"] <= 1.1 * row["per_1000_start_s"]
+    for r in (r for r in rows if r.get("status_s")):  # issue 32: status while it runs, each call timed
+        for what, xs in r["status_s"].items():
+            figures.append(Figure(f"issue 32 scale: `hpc-garage status` while {r['n']:,} trials run",
+                                  f"`hpc-garage status{' JOBID' if what == 'job' else ''}` ({len(xs)} calls)", "s",
+                                  xs, ours=True, goal="<= 2 s, every call", met=max(xs) <= 2.0))
     return {"figures": [f.to_dict() for f in figures], "rows": rows}
 
 

@@ -12,7 +12,8 @@ and their GPU takes the next trial at once.
 The study lives in a journal file under the sweep's results directory ($HPC_GARAGE_RESULTS, set by
 `hpc-garage run`; outside hpc-garage `./search.journal`: delete it to start afresh). A resumed job continues
 it: told trials are not asked again, and the ones the last job left running are run again with their
-parameters (finished Prefect tasks come from the sweep's cache).
+parameters (finished Prefect tasks come from the sweep's cache), each from the step it saved when its job told
+it to stop (`trial.checkpoint_dir()`), not from the start.
 """
 
 from __future__ import annotations
@@ -44,13 +45,18 @@ except ImportError:  # a copy beside this script: the workers get the function w
 @task(tags=hpc_garage.resources(gpu=1))
 def train(lr: float, dropout: float, steps: int, step_seconds: float) -> dict[str, Any]:
     start = time.time()
+    saved = trial.checkpoint_dir() / "step"  # the same directory in every job that runs this trial
+    done = int(saved.read_text()) if saved.exists() else 0  # a trial an earlier job stopped goes on from there
     loss, pruned = float("inf"), False
     for step, loss in enumerate(learning_curve(lr, dropout, steps), start=1):
+        if step <= done:
+            continue
         time.sleep(step_seconds)  # one step of "training"
         trial.report(step, loss=loss)
         if trial.should_stop():
-            if trial.stop_reason() != "pruned":  # the job is ending: this trial runs again in the next one
-                raise trial.Interrupted(f"stopped at step {step}")
+            if trial.stop_reason() != "pruned":  # the job is ending: save, and the next job goes on from here
+                saved.write_text(str(step))
+                raise trial.Interrupted(f"stopped at step {step}, saved")
             pruned = True
             break
     # where and when it ran: each worker holds one GPU, so a worker's trials must never overlap

@@ -142,10 +142,20 @@ def summary(book: SweepBook, epoch: int | None = None) -> dict[str, Any] | None:
         return None
     epoch = latest_epoch(record) if epoch is None else epoch
     results = book.results(epoch)
-    kept = sum(1 for p in results.iterdir() if p.is_file() and not p.name.startswith(".")) if results.is_dir() else 0
+    kept = _files_in(results)
     return {"name": book.name, "epoch": epoch, "jobs": jobs_of(record, epoch), "results": kept,
             "source_changed": source_changes(results), "interrupted": interruptions(results),
             "directory": str(results)}
+
+
+def _files_in(results: Path) -> int:
+    """The results a directory keeps (its files but hidden ones): read from the directory's entries, with no
+    stat per file, so that `status` stays fast at 100,000 results."""
+    try:
+        with os.scandir(results) as entries:
+            return sum(1 for e in entries if not e.name.startswith(".") and e.is_file())
+    except OSError:
+        return 0
 
 
 def interruptions(results: Path) -> dict[str, Any]:

@@ -49,7 +49,7 @@ def test_a_jobs_lines_show_what_is_known_and_skip_what_is_not(tmp_path: Path) ->
 
 
 def test_the_table_has_a_line_per_job_and_says_when_there_is_none() -> None:
-    assert jobs_table([]) == ["no jobs: hpc-garage has submitted none that still have a run directory"]
+    assert jobs_table([]) == ["no jobs: none that hpc-garage submitted or ran still has a run directory"]
     view = JobView(job_id="12", record={"site": "lab", "job_name": "a-very-long-job-name-cut", "submitted": None},
                    run_dir=None, batch=Slurm(), status=JobStatus("12", "PENDING", "pending", reason="Priority"))
     header, line = jobs_table([view])

@@ -137,7 +137,9 @@ def resume(target: str, site_name: str | None, wait: bool) -> None:
 @click.option("--site", "site_name", help="Site of a job hpc-garage has no run directory for.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (one object for JOBID, else a list).")
 def status(job_id: str | None, site_name: str | None, as_json: bool) -> None:
-    """Show a job, or (without JOBID) every job hpc-garage submitted that has a run directory, newest first."""
+    """Show a job, or (without JOBID) every job hpc-garage submitted that has a run directory, newest first, and
+    every `hpc-garage run` outside a batch job (a login node's: id local-DATE-TIME-PID, running while its process
+    lives)."""
     from hpc_garage.cli.status_text import job_lines, jobs_table
     from hpc_garage.schedulers import submission
 
@@ -166,7 +168,7 @@ def status(job_id: str | None, site_name: str | None, as_json: bool) -> None:
 @click.option("--site", "site_name", help="Site of a job hpc-garage has no run directory for.")
 @click.option("--now", is_flag=True, help="Cancel at once: no checkpoint grace for the running trials.")
 def cancel(job_id: str, site_name: str | None, now: bool) -> None:
-    """Cancel a queued or running job (scancel / qdel), and say what was done.
+    """Cancel a queued or running job (scancel / qdel; a login node's run: SIGTERM), and say what was done.
 
     A running sweep's trials first see `hpc_garage.trial.should_stop()` and get the site's checkpoint_grace
     to save; no follow-up job is submitted, and `hpc-garage resume JOB_ID` continues from the checkpoints.

@@ -55,7 +55,7 @@ def _search_summary(run_dir: str | None) -> dict[str, Any] | None:
 def jobs_table(views: list[JobView]) -> list[str]:
     """`status`: one line per job, newest first."""
     if not views:
-        return ["no jobs: hpc-garage has submitted none that still have a run directory"]
+        return ["no jobs: none that hpc-garage submitted or ran still has a run directory"]
     lines = [f"{'JOBID':<12} {'SITE':<14} {'NAME':<20} {'SUBMITTED':<17} STATE"]
     for v in views:
         d = v.to_dict()

@@ -80,6 +80,7 @@ def run(site: Site, command: list[str], *, insecure: bool = False, timeout: floa
     None: $HPC_GARAGE_WORKER_PRELOAD, else distributed.
     """
     from hpc_garage.schedulers import allocation_from_env, in_job_of, job_id as batch_job_id
+    from hpc_garage.schedulers.local import job_id as local_job_id
 
     log.setup()  # the job log's `hpc-garage: ...` lines (hpc_garage/log.py)
     env = dict(os.environ if env is None else env)
@@ -95,7 +96,7 @@ def run(site: Site, command: list[str], *, insecure: bool = False, timeout: floa
         from hpc_garage.launchers.jobqueue.launcher import JobqueueLauncher
         from hpc_garage.launchers.jobqueue.plan import initial_layout, run_end_time
 
-        job_id = batch_job_id(env) or f"local-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        job_id = batch_job_id(env) or local_job_id()
         layout_, notes = initial_layout(site)
         launcher = JobqueueLauncher(site, job_id, run_end_time(site, env, walltime))  # worker jobs end before it
     elif in_job_of(site, env):
@@ -116,7 +117,7 @@ def run(site: Site, command: list[str], *, insecure: bool = False, timeout: floa
 
         layout_, notes = local_layout(site)
         launcher = LocalLauncher(layout_)
-        job_id = f"local-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        job_id = local_job_id()
         notes = [f"no batch job here: a local cluster shaped like one {site.name} node"] + notes
     in_job = in_job_of(site, env)
     swept = join_sweep(site, command, job_id, name=sweep, epoch=sweep_epoch, resume=resume, in_job=in_job)
@@ -127,8 +128,13 @@ def run(site: Site, command: list[str], *, insecure: bool = False, timeout: floa
     logger.info(f"sweep {swept.key} (results in {swept.results})")
     rundir = RunRoot.of_site(site).run_dir(job_id)
     rundir.create(rundir.submitted_at())  # a recycled job id: what the earlier job left is cleared
+    if not in_job:  # a job of this machine's: `status`, `cancel` and `resume` find it (schedulers/local.py)
+        from hpc_garage.schedulers.submission import record_run_here
+
+        record_run_here(rundir, site, command, swept.book.root, swept.key)
     ending = (_wind_down(site, env, job_id, rundir, Path(swept.results)) if in_job
-              else _run_deadline(site, job_id, walltime, Path(swept.results)) if walltime is not None else None)
+              else _run_deadline(site, job_id, walltime, rundir, Path(swept.results)) if walltime is not None
+              else None)
     try:
         return asyncio.run(_serve(site, layout_, launcher, rundir, job_id, command, env, insecure, timeout, api,
                                   swept, ending, preload))
@@ -319,10 +325,12 @@ def _wind_down(site: Site, env: Mapping[str, str], job_id: str, rundir: RunDir, 
                     cancel_requested=rundir.cancel_requested)  # `hpc-garage cancel`: no follow-up job
 
 
-def _run_deadline(site: Site, job_id: str, walltime: int, results: Path) -> WindDown:
-    """The watch on a run outside a batch job that was given a walltime: its end is `walltime` from now."""
+def _run_deadline(site: Site, job_id: str, walltime: int, rundir: RunDir, results: Path) -> WindDown:
+    """The watch on a run outside a batch job that was given a walltime: its end is `walltime` from now;
+    `hpc-garage cancel` winds it down as it does a job."""
     end = time.time() + walltime
-    return WindDown(site, job_id, lambda: (end - time.time(), float(walltime)), None, lambda other: None, results)
+    return WindDown(site, job_id, lambda: (end - time.time(), float(walltime)), None, lambda other: None, results,
+                    cancel_requested=rundir.cancel_requested)
 
 
 async def _wait(scheduler: Any, expected: list[str], timeout: float, launcher: Launcher, state: RunState,

@@ -11,10 +11,11 @@ from hpc_garage.schedulers.submission.finding import (JobView, check_job_id, fin
                                                       results_roots, run_dir_of, run_roots, status_all)
 from hpc_garage.schedulers.submission.following import (CANCEL_MARGIN, SWEEP_SECONDS, cancel, cancel_follow_up,
                                                         log_files, logs, next_job_of, start_wind_down, wait)
-from hpc_garage.schedulers.submission.submitting import (Prepared, Submitted, adopt, prepare, resubmit, resume,
-                                                         submit)
+from hpc_garage.schedulers.submission.submitting import (Prepared, Submitted, adopt, prepare, record_run_here,
+                                                         resubmit, resume, submit)
 
 __all__ = ["CANCEL_MARGIN", "SWEEP_SECONDS", "JobView", "Prepared", "Submitted", "adopt", "cancel", "cancel_follow_up",
-           "check_job_id", "find", "log_files", "logs", "lookup", "next_job_of", "prepare", "records", "refresh",
+           "check_job_id", "find", "log_files", "logs", "lookup", "next_job_of", "prepare", "record_run_here", "records",
+           "refresh",
            "resubmit", "results_roots", "resume", "run_dir_of", "run_roots", "start_wind_down",
            "status_all", "submit", "wait"]

@@ -11,6 +11,7 @@ terminal shows the rest is the CLI's (`cli/status_text.py`).
 from __future__ import annotations
 
 import shutil
+import socket
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,7 +55,8 @@ class JobView:
         if s is None:
             if phase in ("done", "failed"):
                 return self._ended("COMPLETED" if self.exit_code == 0 else "FAILED")
-            return "left the queue" + (f" (last seen {phase})" if phase else "; no state recorded")
+            gone = "left the queue" if self.batch.takes_jobs else "ended"  # a run here: its process is gone
+            return gone + (f" (last seen {phase})" if phase else "; no state recorded")
         if s.phase == "pending":
             return "pending" + (f" ({s.reason})" if s.reason else "")
         if s.phase == "running":
@@ -75,7 +77,8 @@ class JobView:
         word = state.split()[0].lower() if state else "finished"
         if word in ("completed", "c", "f", "x"):
             word = "done" if code == 0 else "failed" if code else "finished"
-        if (self.state or {}).get("cancelled") and code != 0:  # `hpc-garage cancel` wound it down: it ended itself
+        asked = not self.batch.takes_jobs and self.run_dir is not None and RunDir(self.run_dir).cancel_requested()
+        if ((self.state or {}).get("cancelled") or asked) and code != 0:  # `hpc-garage cancel` ended it
             word = "cancelled"
         if code is None:
             return f"{word} (exit code unknown)"
@@ -229,7 +232,28 @@ def refresh(view: JobView, status: JobStatus | None | bool = False) -> JobView:
         submitted = record.get("submitted") or 0
         if state and (state.get("updated") or 0) >= submitted - CLOCK_SLACK:
             view.state = state
+    if view.status is None and not view.batch.takes_jobs:
+        view.status = _elsewhere(view)
     return view
+
+
+def other_host(view: JobView) -> str | None:
+    """The host a `run` outside a batch job runs on, where that is not this one (another login node): its
+    process can be neither seen nor signalled from here."""
+    if view.batch.takes_jobs:
+        return None
+    host = (view.record or {}).get("host")
+    return host if host and host != socket.gethostname() else None
+
+
+def _elsewhere(view: JobView) -> JobStatus | None:
+    """A `run` of another host: this host cannot see its process, so its state file says whether it runs (a
+    run killed outright still says so; `status` names the host to check)."""
+    host, state = other_host(view), view.state or {}
+    if not host or state.get("phase") in (None, "done", "failed") or "exit_code" in state:
+        return None
+    return JobStatus(job_id=view.job_id, state="RUNNING", phase="running",
+                     reason=f"on {host}, as its state file says (its process is checked only there)")
 
 
 def status_all(roots: Sequence[RunRoot] | None = None) -> list[JobView]:

@@ -12,7 +12,7 @@ from typing import IO, Any
 from hpc_garage.core.errors import UserError
 from hpc_garage.rundir import CLOCK_SLACK, RunDir
 from hpc_garage.core.progress_text import sweep_text
-from hpc_garage.schedulers.submission.finding import JobView, check_job_id, refresh
+from hpc_garage.schedulers.submission.finding import JobView, check_job_id, other_host, refresh
 
 SWEEP_SECONDS = 2.0  # `--wait` reads a sweep's directory this often (run writes progress as often)
 CANCEL_MARGIN = 60.0  # `cancel` waits this beyond the checkpoint grace: the wind-down decides, `run` tears down
@@ -72,9 +72,13 @@ def cancel(view: JobView, report: Callable[[str], None] | None = None, *, now: b
     refresh(view)
     status = view.status
     if status is None:
-        raise UserError(f"job {view.job_id} is not in the {view.batch.name} queue (it ended, or never was); nothing to cancel")
+        where = f"in the {view.batch.name} queue" if view.batch.takes_jobs else "running (its process is gone)"
+        raise UserError(f"job {view.job_id} is not {where} (it ended, or never was); nothing to cancel")
     if status.phase == "finished":
         return f"job {view.job_id} already ended ({status.state}); nothing to cancel"
+    if host := other_host(view):
+        raise UserError(f"job {view.job_id} runs on {host}, not on this host: cancel it there "
+                        f"(`ssh {host} hpc-garage cancel {view.job_id}`)")
     say = report or (lambda line: None)
     grace = start_wind_down(view, now)
     if grace is not None:
@@ -92,6 +96,8 @@ def cancel(view: JobView, report: Callable[[str], None] | None = None, *, now: b
             return (f"job {view.job_id} wound down and ended ({view.summary()}); no follow-up job; "
                     f"`hpc-garage resume {view.job_id}` continues its sweep")
     argv = view.batch.cancel_argv(view.job_id)
+    if not view.batch.takes_jobs and view.run_dir is not None:  # a run here: `status` says cancelled once it ends
+        RunDir(view.run_dir).request_cancel()
     view.batch.run(argv)
     return f"cancelled job {view.job_id} (it was {status.phase}; `{' '.join(argv)}`)"
 
@@ -169,7 +175,11 @@ def log_files(view: JobView) -> list[Path]:
             "its job script's output directive says where they are"
         )
     log = view.record.get("log") or {}
-    return [Path(p) for p in (log.get("path"), log.get("error_path")) if p]
+    files = [Path(p) for p in (log.get("path"), log.get("error_path")) if p]
+    if not files:
+        raise UserError(f"job {view.job_id} ran on {view.record.get('host') or 'this machine'} outside a batch job "
+                        "(`hpc-garage run`): its output went to the terminal that started it, not to a log file")
+    return files
 
 
 def logs(view: JobView, out: IO[bytes], *, follow: bool = False, poll: float = 0.5) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import sys
 import tempfile
 import time
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpc_garage.core.errors import UserError
 from hpc_garage.core.request import Request
-from hpc_garage.core.sweep import SweepKey
+from hpc_garage.core.sweep import SweepKey, script_of
 from hpc_garage.files import read_secrets, write_private
 from hpc_garage.rundir import RunDir, RunRoot
 from hpc_garage.schedulers.base import JOB_ID, BatchSystem
@@ -182,6 +183,19 @@ def _record_of(prepared: Prepared) -> dict[str, Any]:
     if prepared.sweep is not None:
         record["sweep"] = {"name": spec.sweep, "epoch": spec.sweep_epoch, "root": str(prepared.sweep.root)}
     return record
+
+
+def record_run_here(rundir: RunDir, site: Site, command: Sequence[str], sweep_root: Path, sweep: SweepKey) -> None:
+    """submit.json for a `run` outside a batch job (a login node, a laptop): no script to submit again and no
+    log file (its output is the terminal's), but its site, command, host and sweep, so that `status` lists it
+    and `cancel`, `resume` and `report` find it (schedulers/local.py says whether it still runs)."""
+    script, args = script_of(list(command))
+    rundir.write_submit_record({
+        "job_id": rundir.job_id, "site": site.name, "scheduler": "local", "script": script, "args": list(args),
+        "cwd": os.getcwd(), "job_name": Path(script).name, "command": list(command), "host": socket.gethostname(),
+        "pid": os.getpid(), "log": {}, "submitted": time.time(),
+        "sweep": {"name": sweep.name, "epoch": sweep.epoch, "root": str(sweep_root)},
+    })
 
 
 def resubmit(previous: Path, *, after: str | None, how: str) -> Submitted:
