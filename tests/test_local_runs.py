@@ -24,7 +24,6 @@ from tests.conftest import outside_job_env
 
 PY = sys.executable
 ID = re.compile(r"local-\d{8}-\d{6}-(\d+)")
-WORKERS = re.compile(r"running \(\d+ workers?\)")
 
 
 def cli(args: list[str], env: dict[str, str], cwd: Path, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -38,13 +37,14 @@ def listed(env: dict[str, str], cwd: Path) -> list[dict[str, Any]]:
     return json.loads(done.stdout)
 
 
-def until(check: Any, timeout: float = 120, what: str = "") -> Any:
+def until(check: Any, timeout: float = 180, what: str = "", log: Path | None = None) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if found := check():
             return found
         time.sleep(0.3)
-    raise AssertionError(f"not within {timeout:.0f} s: {what}")
+    said = log.read_text()[-3000:] if log is not None and log.exists() else ""
+    raise AssertionError(f"not within {timeout:.0f} s: {what}\n{said}")
 
 
 @pytest.fixture
@@ -59,13 +59,16 @@ def login(tmp_path: Path) -> dict[str, str]:
 @pytest.mark.slow
 def test_status_lists_a_login_node_run_while_it_runs_and_cancel_ends_it(tmp_path: Path,
                                                                          login: dict[str, str]) -> None:
-    go = tmp_path / "go"
+    go, log = tmp_path / "go", tmp_path / "run.log"
     command = [PY, "-c", f"import os, time\nwhile not os.path.exists({str(go)!r}): time.sleep(0.1)"]
-    proc = subprocess.Popen([PY, "-m", "hpc_garage", "run", "--site", "local", "--", *command], env=login,
-                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    with log.open("w") as sink:  # a file, not an unread pipe: a run that logs more than a pipe holds would block
+        proc = subprocess.Popen([PY, "-m", "hpc_garage", "run", "--site", "local", "--", *command], env=login,
+                                cwd=tmp_path, stdout=sink, stderr=subprocess.STDOUT)
     try:
-        job = until(lambda: next((j for j in listed(login, tmp_path) if WORKERS.fullmatch(j["summary"])), None),
-                    what="`status` lists the run as running on its workers")
+        job = until(lambda: next((j for j in listed(login, tmp_path) if (j["run"] or {}).get("phase") == "running"
+                                  and not j["finished"]), None),
+                    what="`status` lists the run as running on its workers", log=log)
+        assert job["summary"].startswith("running"), job
         assert ID.fullmatch(job["job_id"]).group(1) == str(proc.pid)  # the run's own process
         assert job["scheduler"] == "local" and job["site"] == "local" and job["finished"] is False
         one = cli(["status", job["job_id"]], login, tmp_path)
