@@ -93,8 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         sections[name] = json.loads(target.read_text()) | {"seconds": round(time.monotonic() - begun, 1)}
         target.unlink()
-        once = 1 if name == "scale" else max(runs, PEER_RUNS) if name in ("pruning", "search") and not args.quick \
-            else runs  # scale: each size is one run of its own (minutes each)
+        once = 1 if name == "scale" else _runs_of(name, runs, args.quick)  # scale: each size one run (minutes)
         command = "python -m bench" + (" --quick" if args.quick else "") + f" --only {name} --runs {once}" + (
             f" --startup-nodes {args.startup_nodes}" if extra and name == "startup" else "") + (
             f" --worker-tasks {args.worker_tasks} --worker-hold {args.worker_hold} --worker-sizes {args.worker_sizes}"
@@ -102,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
             else "") + (f" --scale-sizes {args.scale_sizes}" if name == "scale" and not args.quick else "")
         store_run(out, name, sections[name], at_start, command, os.getloadavg()[0], once, args.quick)
     given = sys.argv[1:] if argv is None else argv
-    report = {"machine": info, "quick": args.quick, "runs": runs, "command": " ".join(["python -m bench", *given]), "seconds": round(time.monotonic() - started, 1),
+    report = {"machine": info, "quick": args.quick, "runs": runs, "peer_runs": _runs_of("search", runs, args.quick),
+              "command": " ".join(["python -m bench", *given]), "seconds": round(time.monotonic() - started, 1),
               "benchmarks": sections}
     md, js = write_reports(report, out)
     index = write_index(out)
@@ -122,6 +122,11 @@ def _run(argv: list[str], log: Path) -> int:
             if line.startswith("bench:"):
                 print(line, end="", file=sys.stderr, flush=True)
         return process.wait()
+
+
+def _runs_of(name: str, runs: int, quick: bool) -> int:
+    """Runs a benchmark gets: --runs, but at least PEER_RUNS for the Ray Tune peers (pruning, search)."""
+    return max(runs, PEER_RUNS) if name in ("pruning", "search") and not quick else runs
 
 
 def _module(name: str) -> str:
@@ -145,12 +150,12 @@ def _arguments(name: str, quick: bool, runs: int, out: Path) -> list[str]:
         if quick:  # hpc-garage without pruner and with ASHA, and Ray Tune where its environment is built already
             return ["--runs", "1", "--trials", "8", "--steps", "8", "--step-seconds", "0.2", "--pruners", "none,asha",
                     "--no-ray-build"]
-        return ["--runs", str(max(runs, PEER_RUNS))]
+        return ["--runs", str(_runs_of(name, runs, quick))]
     if name == "search":  # issue 34: two SLURM jobs (one uninterrupted, one cancelled + resumed) and Ray Tune a run
         if quick:  # one small search, no resume, Ray Tune only where its environment is built already
             return ["--runs", "1", "--resume-runs", "0", "--trials", "8", "--steps", "6", "--step-seconds", "0.2",
                     "--budget", "1000", "--no-ray-build"]
-        return ["--runs", str(max(runs, PEER_RUNS))]
+        return ["--runs", str(_runs_of(name, runs, quick))]
     if name == "packing":
         # quick: not prefect-submitit (a Python 3.12 venv to build, and an interpreter start per trial)
         sizes = ["--gpu-trials", "8", "--cpu-trials", "2", "--seconds", "0.2", "--layouts", "ours,guide,jobqueue"] if quick else []

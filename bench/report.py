@@ -77,12 +77,13 @@ def write_index(out: Path) -> Path:
 
 def markdown(report: dict[str, Any]) -> str:
     m = report["machine"]
+    peer_runs = report.get("peer_runs", report["runs"])  # pruning and search: at least 5 (bench/__main__.py)
+    peers = f" (pruning and search: {peer_runs})" if peer_runs != report["runs"] else ""
     lines = [
         "# hpc-garage benchmarks" + (" (quick mode: tiny sizes, one run; not figures)" if report["quick"] else ""),
         "",
         f"`{report.get('command') or 'python -m bench' + (' --quick' if report['quick'] else '')}`, {m['date']}, "
-        f"{report['seconds']:.0f} s in all. Median of {report['runs']} run(s)"
-        f"{'' if report['quick'] or report['runs'] >= 5 else ' (pruning and search: 5)'}, min–max; "
+        f"{report['seconds']:.0f} s in all. Median of {report['runs']} run(s){peers}, min–max; "
         "ratio = hpc-garage / peer, both measured in this run.",
         "",
         "| benchmark | who | median | min–max | ratio to peers | goal | met? |",

@@ -279,7 +279,8 @@ async def _tear_down(run: _Run) -> None:
     await run.launcher.stop()
     if run.preload is not None:  # an interpreter exiting mid-import in a thread can crash (seen: SIGSEGV)
         await asyncio.get_running_loop().run_in_executor(None, run.preload.join, 60)
-    run.state("done" if run.code is not None else "failed", exit_code=run.code)
+    cancelled = {"cancelled": True} if run.rundir.cancel_requested() else {}  # `hpc-garage cancel`, even --now
+    run.state("done" if run.code is not None else "failed", exit_code=run.code, **cancelled)
 
 
 def _crash_open_flow_runs(progress: Any, code: int | None) -> None:

@@ -46,9 +46,10 @@ class Local(BatchSystem):
 
     def status(self, job_id: str) -> JobStatus | None:
         """RUNNING while the run's process lives on this host; None once it is gone (or never ran here)."""
-        pid = _pid_of(job_id)
-        if pid is None or not _is_the_run(pid, job_id):
+        parsed = _parse(job_id)
+        if parsed is None or not _is_the_run(*parsed):
             return None
+        pid = parsed[0]
         return JobStatus(job_id=job_id, state="RUNNING", phase="running", reason=f"pid {pid} on {socket.gethostname()}")
 
     def cancel_argv(self, job_id: str) -> list[str]:
@@ -62,20 +63,23 @@ class Local(BatchSystem):
         return ["kill", f"-{WIND_DOWN_SIGNAL}", str(self._pid(job_id))]
 
     def _pid(self, job_id: str) -> int:
-        pid = _pid_of(job_id)
-        if pid is None:
+        parsed = _parse(job_id)
+        if parsed is None:
             raise UserError(f"job {job_id} is not a run outside a batch job (their ids are local-DATE-TIME-PID)")
-        return pid
+        return parsed[0]
 
 
-def _pid_of(job_id: str) -> int | None:
+def _parse(job_id: str) -> tuple[int, float] | None:
+    """(pid, the start its id names, epoch seconds) of a run's id; None for any other id."""
     found = LOCAL_ID.fullmatch(job_id)
-    return int(found.group(2)) if found else None
+    if found is None:
+        return None
+    return int(found.group(2)), time.mktime(time.strptime(found.group(1), "%Y%m%d-%H%M%S"))
 
 
-def _is_the_run(pid: int, job_id: str) -> bool:
-    """Whether process `pid` is the run `job_id` names: alive, an hpc-garage process, and started by the time
-    its id says (Linux's /proc; elsewhere, alive is all that can be told)."""
+def _is_the_run(pid: int, named: float) -> bool:
+    """Whether process `pid` is the run whose id names start `named`: alive, an hpc-garage process, and started
+    by then (Linux's /proc; elsewhere, alive is all that can be told)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -92,9 +96,6 @@ def _is_the_run(pid: int, job_id: str) -> bool:
         return False  # it ended meanwhile
     if not any(b"hpc-garage" in part or b"hpc_garage" in part for part in command):
         return False
-    found = LOCAL_ID.fullmatch(job_id)
-    assert found is not None
-    named = time.mktime(time.strptime(found.group(1), "%Y%m%d-%H%M%S"))
     return started is None or started <= named + START_SLACK
 
 

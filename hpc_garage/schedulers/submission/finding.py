@@ -77,8 +77,7 @@ class JobView:
         word = state.split()[0].lower() if state else "finished"
         if word in ("completed", "c", "f", "x"):
             word = "done" if code == 0 else "failed" if code else "finished"
-        asked = not self.batch.takes_jobs and self.run_dir is not None and RunDir(self.run_dir).cancel_requested()
-        if ((self.state or {}).get("cancelled") or asked) and code != 0:  # `hpc-garage cancel` ended it
+        if (self.state or {}).get("cancelled") and code != 0:  # `hpc-garage cancel` ended it (run noted it)
             word = "cancelled"
         if code is None:
             return f"{word} (exit code unknown)"

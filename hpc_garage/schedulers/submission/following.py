@@ -4,6 +4,7 @@ terminal shows it (`cli/status_text.py`)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -96,8 +97,9 @@ def cancel(view: JobView, report: Callable[[str], None] | None = None, *, now: b
             return (f"job {view.job_id} wound down and ended ({view.summary()}); no follow-up job; "
                     f"`hpc-garage resume {view.job_id}` continues its sweep")
     argv = view.batch.cancel_argv(view.job_id)
-    if not view.batch.takes_jobs and view.run_dir is not None:  # a run here: `status` says cancelled once it ends
-        RunDir(view.run_dir).request_cancel()
+    if view.run_dir is not None:  # its `run` submits no follow-up job and notes the cancel in state.json
+        with contextlib.suppress(OSError):
+            RunDir(view.run_dir).request_cancel()
     view.batch.run(argv)
     return f"cancelled job {view.job_id} (it was {status.phase}; `{' '.join(argv)}`)"
 
