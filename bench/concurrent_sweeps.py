@@ -92,7 +92,9 @@ def run_pair(database: str, tasks: int, home: Path | None = None, timeout: float
             record["log_tail"] = text.splitlines()[-15:]
         counts = task_run_counts(api, flow_run_id) if flow_run_id not in (None, "None") else {}
         flows.append({**record, "exit": codes[i], "task_runs": counts,
-                      "retryable_lines": sum(1 for line in text.splitlines() if RETRYABLE.search(line))})
+                      "retryable_lines": sum(1 for line in text.splitlines() if RETRYABLE.search(line)),
+                      # what the sweep warned of (hpc-garage's own lines: an API that had not recorded every task)
+                      "warnings": [line for line in text.splitlines() if "WARNING" in line][:10]})
     server_log = Path(status["log"]).read_text(errors="replace")
     result = {
         "database": database, "tasks_per_sweep": tasks, "flows": flows, "wall_s": round(wall, 1),
@@ -101,6 +103,9 @@ def run_pair(database: str, tasks: int, home: Path | None = None, timeout: float
         # each 503 the server answered (one "Encountered retryable exception" line each), by endpoint
         "server_503": server_log.count("Encountered retryable exception in request"),
         "server_503_by_endpoint": {name: n for name, n in _endpoints(server_log).items()},
+        # what else the server logged as an error (its task-run recorder dropping events says so here)
+        "server_errors": [line for line in server_log.splitlines()
+                          if " ERROR " in line or "Dropping event" in line][:10],
         "server_peak_rss_mb": round(sampler.peak_rss / 2**20, 1),
         "server_cpu_s": round(sampler.cpu_seconds(), 1),
         "server_cpu_ms_per_task": round(1000 * sampler.cpu_seconds() / (2 * tasks), 2),

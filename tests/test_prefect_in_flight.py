@@ -13,8 +13,9 @@ import pytest
 
 from hpc_garage.core.errors import UserError
 from hpc_garage.prefect import in_flight
-from hpc_garage.prefect.in_flight import (MINIMUM, PER_THREAD, InFlight, Releaser, ReleasingFuture, check_limit,
-                                          RELEASE_FROM, compact, default_limit, read_back, releases, when_done)
+from hpc_garage.prefect.in_flight import (MINIMUM, PER_THREAD, RELEASE_FROM, Ends, InFlight, Releaser,
+                                          ReleasingFuture, check_limit, compact, default_limit, read_back, releases,
+                                          when_done)
 from hpc_garage.compat import at_least
 
 
@@ -199,7 +200,7 @@ def test_releaser_gathers_in_batches(tmp_path: Any, monkeypatch: pytest.MonkeyPa
 
 def test_when_done_counts_out_notes_and_releases(tmp_path: Any) -> None:
     _, small = completed(1, tmp_path)
-    gate, finished, queued = InFlight(2, threads=lambda: 0), [], []
+    gate, ends, queued = InFlight(2, threads=lambda: 0), Ends(), []
     gate.admit()
     gate.admit()
 
@@ -208,10 +209,60 @@ def test_when_done_counts_out_notes_and_releases(tmp_path: Any) -> None:
             queued.append(future)
 
     ok = ReleasingFuture(task_run_id=uuid.uuid4(), wrapped_future=FakeDaskFuture(small))
-    when_done(ok, gate, finished, Queue(), None)(ok.wrapped_future)  # type: ignore[arg-type]
+    when_done(ok, gate, ends, Queue(), None)(ok.wrapped_future)  # type: ignore[arg-type]
     lost = ReleasingFuture(task_run_id=uuid.uuid4(), wrapped_future=FakeDaskFuture(None, status="error"))
-    when_done(lost, gate, finished, Queue(), None)(lost.wrapped_future)  # type: ignore[arg-type]
-    assert gate.count == 0 and finished == [ok.task_run_id] and queued == [ok]
+    when_done(lost, gate, ends, Queue(), None)(lost.wrapped_future)  # type: ignore[arg-type]
+    assert gate.count == 0 and ends.finished == [ok.task_run_id] and queued == [ok]
+    assert ends.settle(0) == 0  # both callbacks ran: nothing is pending
+
+
+_released = threading.Event()  # a module's: tasks of an in-process cluster are still pickled
+
+
+def _held() -> bool:
+    return _released.wait(30)
+
+
+def _same(x: int) -> int:
+    return x
+
+
+def test_the_runners_end_waits_for_dasks_callbacks_of_its_done_tasks() -> None:
+    """Dask runs done-callbacks on one thread of its own, after the result is there: a flow can hold every
+    result while its tasks' callbacks still wait (CI: 14 of 200 task runs never reached Prefect's API, the
+    runner had not waited for them). `Ends.settle` waits for those of done futures, and only those."""
+    from distributed import Client, LocalCluster
+
+    _released.clear()
+    with LocalCluster(n_workers=1, threads_per_worker=2, processes=False, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        gate, ends = InFlight(None, threads=lambda: 2), Ends()
+        blocker = client.submit(_same, -1, pure=False)
+        blocker.add_done_callback(lambda _: _released.wait(30))  # holds Dask's one callback thread
+        blocker.result()
+        futures = []
+        for i in range(20):
+            gate.admit()
+            future = ReleasingFuture(task_run_id=uuid.uuid4(), wrapped_future=client.submit(_same, i, pure=False))
+            future.wrapped_future.add_done_callback(when_done(future, gate, ends, None, None))
+            futures.append(future)
+        gate.admit()
+        unfinished = ReleasingFuture(task_run_id=uuid.uuid4(), wrapped_future=client.submit(_held, pure=False))
+        unfinished.wrapped_future.add_done_callback(when_done(unfinished, gate, ends, None, None))
+        assert [f.wrapped_future.result() for f in futures] == list(range(20))
+        assert ends.finished == [] and gate.count == 21  # every result is here, no callback has run
+        assert ends.settle(0.2) == 20  # bounded: it says how many were still to run
+        threading.Timer(0.5, _released.set).start()
+        assert ends.settle(30) == 0
+        assert set(ends.finished) >= {f.task_run_id for f in futures}  # the unfinished one may have ended too
+
+
+def test_a_pickled_ends_starts_empty() -> None:
+    import pickle
+
+    ends = Ends()
+    ends.finished.append(uuid.uuid4())
+    assert pickle.loads(pickle.dumps(ends)).finished == []  # the runner travels with its flow
 
 
 def test_only_persisted_tasks_are_released(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -30,8 +30,11 @@ def test_two_concurrent_sweeps_are_recorded_in_full(database: str, tmp_path: Pat
         pytest.skip("PostgreSQL's server binaries are not installed (apt install postgresql)")
     result = run_pair(database, TASKS, home=tmp_path, timeout=1200)
     for flow in result["flows"]:
-        assert flow["state"] == "COMPLETED", flow
-        assert flow["task_runs"] == {"COMPLETED": TASKS}, flow  # every trial, once, COMPLETED in the API
+        # on failure: what the sweep warned of and what the server logged as errors, in full (pytest cuts a dict)
+        said = (f"flow run {flow.get('flow_run_id')}: {flow['state']}, task runs {flow['task_runs']}; the sweep "
+                f"warned {flow['warnings']}; the server logged {result['server_errors']}; in {tmp_path}")
+        assert flow["state"] == "COMPLETED", said
+        assert flow["task_runs"] == {"COMPLETED": TASKS}, said  # every trial, once, COMPLETED in the API
         assert flow["total"] == sum(i * i for i in range(TASKS))
         assert flow["retryable_lines"] == 0, f"503 or lock errors in {tmp_path}/sweep-*.log"
     assert result["complete"]

@@ -29,7 +29,7 @@ from hpc_garage.compat import at_least, release_future, releasing_future_class
 from hpc_garage.core.errors import UserError
 from hpc_garage.prefect import fast as prefect_fast
 
-__all__ = ["InFlight", "Releaser", "ReleasingFuture", "check_limit", "client_threads", "close", "default_limit",
+__all__ = ["Ends", "InFlight", "Releaser", "ReleasingFuture", "check_limit", "client_threads", "close", "default_limit",
            "read_back", "releases", "run_released", "when_done", "RELEASE_FROM"]
 
 MINIMUM = 1000  # tasks in flight at least: ~50 MB in the scheduler; enough queued for an adaptive pool to grow on
@@ -195,24 +195,62 @@ class Releaser:
                 self.released += 1
 
 
-def when_done(future: Any, gate: InFlight, finished: list[Any], releaser: Releaser | None,
+class Ends:
+    """The task runs whose Dask future finished, and the futures whose done-callback has not run yet.
+
+    Dask runs a future's callbacks on a thread of its own, a little after its result is there: the flow can
+    hold every result and return while the last callbacks wait their turn (under load, seen in CI: 14 of 200).
+    The runner's end waits for the callbacks of every future that is done (`settle`), so its last tasks are
+    counted, released, reported and waited for at Prefect's API like the others. Only unfinished futures are
+    held here: memory stays bounded by the work in flight."""
+
+    def __init__(self) -> None:
+        self.finished: list[Any] = []  # ids of task runs whose Dask future finished
+        self._pending: dict[int, Any] = {}  # id() -> Dask future, until its callback ran
+        self._cond = threading.Condition()
+
+    def __reduce__(self) -> tuple[type[Ends], tuple[()]]:
+        return Ends, ()  # the runner travels pickled with its flow: a copy starts with nothing in flight
+
+    def submitted(self, dask_future: Any) -> None:
+        with self._cond:
+            self._pending[id(dask_future)] = dask_future
+
+    def ran(self, dask_future: Any, run_id: Any) -> None:
+        """Its callback ran (Dask's callback thread)."""
+        with self._cond:
+            self._pending.pop(id(dask_future), None)
+            if dask_future.status == "finished":
+                self.finished.append(run_id)
+            self._cond.notify_all()
+
+    def settle(self, timeout: float) -> int:
+        """Wait until no done future's callback is still to run; how many still were after `timeout` s."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while (late := sum(1 for f in self._pending.values() if f.done())) and time.monotonic() < deadline:
+                self._cond.wait(min(0.5, max(0.0, deadline - time.monotonic())))
+            return late
+
+
+def when_done(future: Any, gate: InFlight, ends: Ends, releaser: Releaser | None,
               metrics: Any) -> Callable[[Any], None]:
     """The one callback (Dask's callback thread) a submitted task's Dask future gets: out of the gate, its run
-    id noted as finished (the runner waits for Prefect to record those), released, and its end to `metrics`
-    (prefect/metrics.py: trials.json, the pruner)."""
+    id noted in `ends` (the runner waits for Prefect to record the finished ones), released, and its end to
+    `metrics` (prefect/metrics.py: trials.json, the pruner)."""
     run_id = future.task_run_id
     hex_id = run_id.hex if hasattr(run_id, "hex") else str(run_id)
     if metrics is not None:
         metrics.submitted(hex_id)
+    ends.submitted(future.wrapped_future)
 
     def done(dask_future: Any) -> None:
         gate.finished()
-        if dask_future.status == "finished":
-            finished.append(run_id)
-            if releaser is not None:
-                releaser.finished(future)
+        if dask_future.status == "finished" and releaser is not None:
+            releaser.finished(future)
         if metrics is not None:
             metrics.ended(hex_id, dask_future)
+        ends.ran(dask_future, run_id)  # last: once settled, what the callback does is done
 
     return done
 

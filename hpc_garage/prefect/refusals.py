@@ -7,17 +7,23 @@ job: `python -m hpc_garage.prefect.flow_run`) catches it and logs it with its tr
 exits 1. `install()` (the task runner's first step, and flow_run.py's) adds two hooks scoped to UserError,
 everything else left as it was: `sys.excepthook` prints the line and exits 2; a filter on Prefect's engine
 loggers drops their records of it and keeps it for whoever ends the process (`pending()`).
+
+`refuse_unguarded_flow_call()`: the refusal the runner makes before any worker starts, of a flow called at a
+script's top level (Dask's spawned workers re-import the script and would run it again).
 """
 
 from __future__ import annotations
 
+import ast
 import logging
+import os
 import sys
+from pathlib import Path
 from types import TracebackType
 
 from hpc_garage.core.errors import UserError
 
-__all__ = ["install", "line", "pending", "user_error"]
+__all__ = ["install", "line", "pending", "refuse_unguarded_flow_call", "user_error"]
 
 # where Prefect's engine logs an exception that escapes loading or running a flow (with its traceback)
 ENGINE_LOGGERS = ("prefect.engine", "prefect.flow_runs")
@@ -81,3 +87,41 @@ def install() -> None:
         _previous, sys.excepthook, _installed = sys.excepthook, _excepthook, True
     for name in ENGINE_LOGGERS:
         logging.getLogger(name).addFilter(_FILTER)  # a filter already there is not added again
+
+
+def refuse_unguarded_flow_call() -> None:
+    """Dask's spawned workers re-import the script: a top-level flow call would run again in each of them
+    (seen as "Nanny failed to start"). Refuse before any worker starts, naming the line."""
+    import dask
+
+    if dask.config.get("distributed.worker.multiprocessing-method", "spawn") == "fork":
+        return
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if not path or not os.path.isfile(path):
+        return  # python -c, a notebook, an interactive session: nothing gets re-imported
+    frame = sys._getframe()
+    while frame is not None and not (frame.f_code.co_name == "<module>" and frame.f_globals is vars(main)):
+        frame = frame.f_back
+    if frame is None:
+        return  # the flow was not called from the script's top level (a thread, a test runner)
+    lineno = frame.f_lineno
+    try:
+        tree = ast.parse(Path(path).read_text(), path)
+    except (OSError, SyntaxError):
+        return
+    if any(_is_main_guard(node) and node.body[0].lineno <= lineno <= (node.body[-1].end_lineno or lineno)
+           for node in tree.body):
+        return
+    raise UserError(
+        f"{path}, line {lineno}: the flow is called at the top level of the script; the Dask worker processes "
+        f"re-import the script and would run the flow again. Put the call under `if __name__ == \"__main__\":`"
+    )
+
+
+def _is_main_guard(node: ast.stmt) -> bool:
+    if not isinstance(node, ast.If) or not isinstance(test := node.test, ast.Compare) or len(test.ops) != 1:
+        return False
+    sides = [test.left, test.comparators[0]]
+    return (isinstance(test.ops[0], ast.Eq) and any(isinstance(s, ast.Name) and s.id == "__name__" for s in sides)
+            and any(isinstance(s, ast.Constant) and s.value == "__main__" for s in sides))

@@ -24,12 +24,10 @@ once per worker and still runs every task through Prefect's own engine; see that
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import json
 import os
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
 import dask
@@ -117,6 +115,7 @@ class HpcTaskRunner(DaskTaskRunner):
     done once (`prefect_fast`), and refuses unguarded scripts."""
 
     RECORD_TIMEOUT = 120.0  # s the flow waits at its end for Prefect's API to record its finished tasks
+    SETTLE_TIMEOUT = 30.0  # s the flow waits at its end for Dask's callbacks of its done tasks (in_flight.Ends)
 
     def __init__(self, *args: Any, pruner: Any = None, metric: str | None = None, mode: str = "min",
                  max_in_flight: int | None = None, **kwargs: Any) -> None:
@@ -130,13 +129,13 @@ class HpcTaskRunner(DaskTaskRunner):
         self._metrics_asked = False
         self._placeable: set[frozenset[tuple[str, float]]] = set()  # resource sets some worker offers
         self._submitter: Any = None  # prefect_fast.Submitter, or False once the plain path was chosen
-        self._finished: list[Any] = []  # ids of task runs whose dask future is done
+        self._ends = in_flight.Ends()  # ids of task runs whose dask future finished, and callbacks still to run
         self._sweep_tasks = SweepTasks()  # under `hpc-garage run`: trials cached across the sweep's jobs
         self._flow_run_noted = False
 
     def __enter__(self) -> HpcTaskRunner:
         if not (self.address or runner_has_cluster(self)):
-            _refuse_unguarded_flow_call()
+            refusals.refuse_unguarded_flow_call()
         if "security" not in self.client_kwargs and (security := _running_worker_security()) is not None:
             # a task submitting tasks: Prefect entered this copy of the flow's runner on a Dask worker, and
             # prefect-dask connects it to the worker's scheduler with client_kwargs alone; on a TLS cluster
@@ -162,11 +161,15 @@ class HpcTaskRunner(DaskTaskRunner):
 
     def __exit__(self, *exc: Any) -> None:
         try:
+            if late := self._ends.settle(self.SETTLE_TIMEOUT):
+                self.logger.warning(f"hpc-garage: Dask had not run the callbacks of {late} finished tasks after "
+                                    f"{self.SETTLE_TIMEOUT:.0f} s; they may be missing from the flow's counts")
             in_flight.close(self._releaser)  # the last finished trials released while the client lives
             if self._metrics is not None:
                 self._metrics.close()  # the last reports and the trials' ends, written while the client lives
-            if self._finished and outage.api_down():  # bookkeeping only: the work is done (outage.py)
-                outage.report_at_flow_end(self._finished, self._sweep_tasks.storage and str(self._sweep_tasks.storage),
+            if self._ends.finished and outage.api_down():  # bookkeeping only: the work is done (outage.py)
+                outage.report_at_flow_end(self._ends.finished,
+                                          self._sweep_tasks.storage and str(self._sweep_tasks.storage),
                                           self.client)
             else:
                 self._await_recorded()
@@ -223,7 +226,7 @@ class HpcTaskRunner(DaskTaskRunner):
             gate.cancel()
             raise
         releaser = self._releaser if released else None
-        done = in_flight.when_done(future, gate, self._finished, releaser, self._metrics)  # not self: no cycle
+        done = in_flight.when_done(future, gate, self._ends, releaser, self._metrics)  # not self: no cycle
         future.wrapped_future.add_done_callback(done)
         return future
 
@@ -248,15 +251,16 @@ class HpcTaskRunner(DaskTaskRunner):
     def _await_recorded(self) -> None:
         """Prefect records task runs from their workers' events, a little after they finish: wait for it, so
         that when the flow returns its API shows every task that finished (bounded by RECORD_TIMEOUT)."""
-        if not self._finished:
+        finished = self._ends.finished
+        if not finished:
             return
         try:
-            missing = prefect_fast.await_recorded(self._finished, self.RECORD_TIMEOUT)
+            missing = prefect_fast.await_recorded(finished, self.RECORD_TIMEOUT)
         except Exception as exc:  # noqa: BLE001 - the flow's own outcome matters more than this check
             self.logger.warning(f"hpc-garage: could not confirm the task runs with Prefect's API: {exc}")
             return
         if missing:
-            self.logger.warning(f"hpc-garage: Prefect's API had not recorded {missing} of {len(self._finished)} "
+            self.logger.warning(f"hpc-garage: Prefect's API had not recorded {missing} of {len(finished)} "
                                 f"finished task runs after {self.RECORD_TIMEOUT:.0f} s; they appear as the server "
                                 "catches up")
 
@@ -340,42 +344,6 @@ def _running_worker_security() -> Any:
         return get_worker().security
     except ValueError:
         return None
-
-
-def _refuse_unguarded_flow_call() -> None:
-    """Dask's spawned workers re-import the script: a top-level flow call would run again in each of them
-    (seen as "Nanny failed to start"). Refuse before any worker starts, naming the line."""
-    if dask.config.get("distributed.worker.multiprocessing-method", "spawn") == "fork":
-        return
-    main = sys.modules.get("__main__")
-    path = getattr(main, "__file__", None)
-    if not path or not os.path.isfile(path):
-        return  # python -c, a notebook, an interactive session: nothing gets re-imported
-    frame = sys._getframe()
-    while frame is not None and not (frame.f_code.co_name == "<module>" and frame.f_globals is vars(main)):
-        frame = frame.f_back
-    if frame is None:
-        return  # the flow was not called from the script's top level (a thread, a test runner)
-    line = frame.f_lineno
-    try:
-        tree = ast.parse(Path(path).read_text(), path)
-    except (OSError, SyntaxError):
-        return
-    if any(_is_main_guard(node) and node.body[0].lineno <= line <= (node.body[-1].end_lineno or line)
-           for node in tree.body):
-        return
-    raise UserError(
-        f"{path}, line {line}: the flow is called at the top level of the script; the Dask worker processes "
-        f"re-import the script and would run the flow again. Put the call under `if __name__ == \"__main__\":`"
-    )
-
-
-def _is_main_guard(node: ast.stmt) -> bool:
-    if not isinstance(node, ast.If) or not isinstance(test := node.test, ast.Compare) or len(test.ops) != 1:
-        return False
-    sides = [test.left, test.comparators[0]]
-    return (isinstance(test.ops[0], ast.Eq) and any(isinstance(s, ast.Name) and s.id == "__name__" for s in sides)
-            and any(isinstance(s, ast.Constant) and s.value == "__main__" for s in sides))
 
 
 def _describe(resources: dict[str, float]) -> str:
