@@ -18,7 +18,8 @@ def _preloaded() -> tuple[bool, bool]:
     """Prefect's task path imported and its logging set up before any task: forked from the forkserver."""
     from prefect.logging import configuration
 
-    return "hpc_garage.prefect.worker" in sys.modules, bool(configuration.PROCESS_LOGGING_CONFIG)
+    modules = ("hpc_garage.prefect.worker", "prefect.flow_engine", "prefect.main")  # the first task's imports
+    return all(m in sys.modules for m in modules), bool(configuration.PROCESS_LOGGING_CONFIG)
 
 
 def main(out: str) -> None:
