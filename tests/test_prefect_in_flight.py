@@ -257,6 +257,44 @@ def test_the_runners_end_waits_for_dasks_callbacks_of_its_done_tasks() -> None:
         assert set(ends.finished) >= {f.task_run_id for f in futures}  # the unfinished one may have ended too
 
 
+@pytest.mark.slow
+def test_a_flow_behind_slow_done_callbacks_ends_with_every_task_counted(cluster: Any,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A user's done-callback runs on Dask's one callback thread, as the runner's own do: behind slow ones the
+    flow holds every result long before the runner's callbacks ran. The runner's end waits for them, so every
+    finished task is counted (and waited for at Prefect's API) when the flow returns."""
+    from prefect import flow, task
+
+    import hpc_garage
+    from hpc_garage.prefect.task_runner import HpcTaskRunner
+
+    counted: list[int] = []
+    original = HpcTaskRunner.__exit__
+
+    def exit_and_count(self: HpcTaskRunner, *exc: Any) -> None:
+        original(self, *exc)
+        counted.append(len(self._ends.finished))
+
+    monkeypatch.setattr(HpcTaskRunner, "__exit__", exit_and_count)  # the flow's process only
+
+    @task
+    def trial(i: int) -> int:
+        return i
+
+    def slow(_: Any) -> None:
+        time.sleep(0.1)
+
+    @flow(task_runner=hpc_garage.task_runner(address=cluster.scheduler_address))
+    def sweep(n: int) -> list[int]:
+        futures = trial.map(range(n))
+        for future in futures:
+            future.add_done_callback(slow)  # 3 s of callbacks in all, queued behind one another
+        return [f.result() for f in futures]
+
+    assert sweep(30) == list(range(30))
+    assert counted == [30]  # without the wait: those whose callback had run by the flow's end
+
+
 def test_a_pickled_ends_starts_empty() -> None:
     import pickle
 
