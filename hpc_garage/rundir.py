@@ -80,12 +80,12 @@ REPLAYED_FILE = "replayed.json"  # in UNRECORDED_DIR
 # COMMAND must never reach a cluster that is gone, nor anyone find its keys. (Two lists said this before: the
 # start's named a `workers` that nothing writes, the end's added ranks.json.)
 HANDOFF = (SCHEDULER_FILE, DASK_SCHEDULER_FILE, TLS_DIR, RANKS_FILE)
-# The flow's records of one job: kept across a requeue of it (replay needs what its first start left), cleared
-# where they predate its submission (an earlier job whose id was recycled).
-EARLIER_RUN = (FLOW_RUNS_FILE, UNRECORDED_FILE, UNRECORDED_DIR)
-# Everything else stays: submit.json and job.sh are this job's (written before it starts); state.json,
-# report.json and worker-jobs.json are rewritten by each run; the jobqueue launcher removes its worker files as
-# it ends, the dask-mpi launcher its rank records as it starts.
+# What one job's run wrote: kept across a requeue (replay needs its first start's), cleared where it predates the
+# submission (an earlier job of a recycled id: ids wrap, or restart at 1 when a controller loses its state).
+EARLIER_RUN = (FLOW_RUNS_FILE, UNRECORDED_FILE, UNRECORDED_DIR, REPORT_FILE, METRICS_DIR, SEARCH_SUMMARY_FILE,
+               DOCTOR_FILE, WORKER_LOG_DIR)
+# The rest stays: submit.json and job.sh are this job's; state.json and worker-jobs.json are rewritten by each run
+# (status takes an older state.json for none); the launchers remove their worker files and rank records.
 
 CLOCK_SLACK = 5.0  # seconds: a file older than the submission (minus this) is an older job's
 

@@ -231,6 +231,20 @@ def test_report_counts_pruned_trials_estimates_the_saving_and_plots_the_curves(t
     assert again.stdout.startswith("4 trials (4 done, 0 failed) on")  # which ended early is no longer known
 
 
+def test_the_report_of_a_recycled_job_id_is_not_the_earlier_jobs(tmp_path: Path) -> None:
+    """A job submitted after report.json was written (its id recycled, not yet started): `report JOB` says it
+    has no report yet, not the earlier job's."""
+    from hpc_garage.rundir import RunDir
+
+    env, run_dir = reported_run(tmp_path)
+    rundir = RunDir(run_dir)
+    rundir.write_submit_record({**rundir.submit_record(), "submitted": time.time() + 60})
+    shown = subprocess.run([PY, "-m", "hpc_garage", "report", "4343", "--site", "metrics-lab"],
+                           capture_output=True, text=True, env=env, timeout=120)
+    assert shown.returncode == 2 and shown.stdout == "", shown.stdout + shown.stderr
+    assert shown.stderr.startswith("hpc-garage: error: job 4343 has no report yet") and len(shown.stderr.splitlines()) == 1
+
+
 def _png_height(path: Path) -> int:
     return int.from_bytes(path.read_bytes()[20:24], "big")  # the IHDR chunk: width, then height
 

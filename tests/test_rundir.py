@@ -188,28 +188,39 @@ def test_run_clears_what_an_earlier_job_left_in_its_run_directory(tmp_path: Path
     assert sorted(p.name for p in rundir.path.iterdir()) == ["submit.json"] and not rundir.cancel_requested()
 
 
-def test_a_recycled_job_id_starts_with_no_flow_runs_or_records_of_the_earlier_job(tmp_path: Path) -> None:
-    """The flow runs the earlier job noted and what it kept for replay are cleared when they predate this
-    job's submission; a requeued job (the same submission) keeps its first start's, for replay."""
-    from hpc_garage.rundir import FLOW_RUNS_FILE, UNRECORDED_DIR, UNRECORDED_FILE
-
+def test_a_recycled_job_id_starts_with_nothing_the_earlier_job_ran(tmp_path: Path) -> None:
+    """The flow runs the earlier job noted, what it kept for replay, its report, what its trials reported, its
+    search's summary, its doctor's findings and its workers' logs are cleared when they predate this job's
+    submission (CI once showed an earlier job's 32 pruned trials in the report of a job whose trials reported
+    nothing); a requeued job (the same submission) keeps its first start's, for replay."""
     rundir = RunRoot(tmp_path).run_dir("42")
     rundir.path.mkdir()
 
-    def earlier_jobs_files() -> None:
-        (rundir.path / FLOW_RUNS_FILE).write_text("1f0c\n")
-        (rundir.path / UNRECORDED_FILE).write_text("{}")
-        (rundir.path / UNRECORDED_DIR).mkdir(exist_ok=True)
-        (rundir.path / UNRECORDED_DIR / "events-h-1.jsonl").write_text("{}\n")
+    def earlier_jobs_files() -> list[str]:
+        rundir.flow_runs_file.write_text("1f0c\n")
+        rundir.unrecorded_file.write_text("{}")
+        rundir.unrecorded_dir.mkdir(exist_ok=True)
+        rundir.kept_file("events", "h-1").write_text("{}\n")
+        rundir.report_file.write_text("{}")
+        rundir.metrics_dir.mkdir(exist_ok=True)
+        rundir.metrics_summary.write_text('{"trials": {}}')
+        rundir.trial_metrics("train-1").write_text("{}\n")
+        rundir.search_summary.write_text("{}")
+        rundir.doctor_file.write_text("{}")
+        rundir.worker_logs.mkdir(exist_ok=True)
+        rundir.worker_log("w", "7").write_text("earlier\n")
+        return sorted(p.name for p in rundir.path.iterdir())
 
-    earlier_jobs_files()
+    written = earlier_jobs_files()
+    assert set(written) == set(EARLIER_RUN)
     rundir.create(submitted=time.time() - 3600)  # submitted before they were written: this job's own (requeued)
-    assert sorted(p.name for p in rundir.path.iterdir()) == sorted([FLOW_RUNS_FILE, UNRECORDED_FILE, UNRECORDED_DIR])
+    assert sorted(p.name for p in rundir.path.iterdir()) == written
+    assert rundir.worker_log("w", "7").read_text() == "earlier\n"
     rundir.create(submitted=time.time() + 10)  # submitted after: an earlier job's
     assert list(rundir.path.iterdir()) == []
     earlier_jobs_files()
     rundir.create(submitted=None)  # a run hpc-garage did not submit: nothing tells, nothing is removed
-    assert len(list(rundir.path.iterdir())) == 3
+    assert sorted(p.name for p in rundir.path.iterdir()) == written
 
 
 def test_a_requeue_keeps_the_jobs_own_records_and_clears_only_the_handoff(tmp_path: Path) -> None:

@@ -148,8 +148,11 @@ def load(view: Any, job_id: str) -> dict[str, Any]:
     if run_dir is None:
         raise UserError(f"job {job_id} has no run directory here, so no report; pass --site if its site keeps "
                         "its runs elsewhere")
-    path = RunDir(run_dir).report_file
+    rundir = RunDir(run_dir)
+    path, submitted = rundir.report_file, rundir.submitted_at()
     try:
+        if submitted is not None and path.stat().st_mtime < submitted:  # an earlier job's, of a recycled id
+            raise FileNotFoundError(path)
         data = json.loads(path.read_text())
     except FileNotFoundError:
         raise UserError(f"job {job_id} has no report yet ({path}): `hpc-garage run` writes it when the job's "
@@ -159,7 +162,7 @@ def load(view: Any, job_id: str) -> dict[str, Any]:
     if not isinstance(data, dict) or not {"trials", "workers", "gpus", "wall_s"} <= set(data):
         raise UserError(f"{path} is not an hpc-garage report; the job's log ends with its summary")
     if "metrics" not in data:  # written before the flow's last word on its trials, or by an older `run`
-        with_metrics(data, RunDir(run_dir))
+        with_metrics(data, rundir)
     return data
 
 
