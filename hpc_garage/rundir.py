@@ -114,10 +114,10 @@ class RunRoot:
 
     @classmethod
     def default(cls) -> RunRoot:
-        """Where a site that names none keeps its runs (imports the site model: call it where that is loaded)."""
-        from hpc_garage.core.site import Site
+        """Where a site that names none keeps its runs."""
+        from hpc_garage.core.site_values import DEFAULT_RUN_DIRECTORY
 
-        return cls.of(Site.model_fields["run_directory"].default)
+        return cls.of(DEFAULT_RUN_DIRECTORY)
 
     def run_dir(self, job_id: str) -> RunDir:
         """Job `job_id`'s run directory (whether it exists or not); an id that is not one name is refused."""

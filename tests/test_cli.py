@@ -109,6 +109,32 @@ def test_show_of_a_plain_site_does_not_import_pydantic(tmp_path: Path) -> None:
     assert "pydantic" not in imported and "pydantic_core" not in imported
 
 
+def test_status_finds_jobs_of_every_site_without_the_site_model(tmp_path: Path) -> None:
+    """`status` and `status JOB` look in the default run root and in every site file's `run_directory` (read
+    as written: a site broken elsewhere still shows its jobs) without importing pydantic or Dask: a fresh CLI
+    every 10 s beside a running sweep must cost little."""
+    import socket
+
+    sites, elsewhere = tmp_path / "sites", tmp_path / "elsewhere"
+    sites.mkdir()
+    (sites / "broken.yaml").write_text(f"scheduler: slurm\nnode: {{cores: many}}\nrun_directory: {elsewhere}\n")
+    env = clean_env(HOME=str(tmp_path / "home"), HPC_GARAGE_SITES_PATH=str(sites))
+    ids = ["local-20260101-000000-1", "local-20260101-000001-1"]
+    for root, job in zip((tmp_path / "home" / ".hpc-garage" / "runs", elsewhere), ids):
+        (root / job).mkdir(parents=True)
+        (root / job / "submit.json").write_text(json.dumps({"job_id": job, "scheduler": "local", "site": "broken",
+                                                            "submitted": 1.0, "host": socket.gethostname()}))
+    for args in (["status", "--json"], ["status", ids[1], "--json"]):
+        done = subprocess.run([sys.executable, "-X", "importtime", "-m", "hpc_garage", *args],
+                              capture_output=True, text=True, env=env, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr[-2000:]
+        imported = {line.split("|")[-1].strip().split(".")[0] for line in done.stderr.splitlines() if "|" in line}
+        assert not imported & {"pydantic", "dask", *HEAVY}, imported & {"pydantic", "dask", *HEAVY}
+    listed = json.loads(hpcg("status", "--json", env=env, cwd=tmp_path).stdout)
+    assert sorted(v["job_id"] for v in listed) == ids
+    assert json.loads(hpcg("status", ids[1], "--json", env=env, cwd=tmp_path).stdout)["job_id"] == ids[1]
+
+
 def test_big_show_json_is_compact_and_the_same_object(tmp_path: Path) -> None:
     sites = tmp_path / "sites"
     sites.mkdir()

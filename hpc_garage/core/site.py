@@ -174,7 +174,7 @@ class Site(_Strict):
     limits: Limits = Limits()  # what the centre allows
     interface: str | None = None  # network interface the scheduler and workers listen on (e.g. ib0)
     local_directory: str | None = None  # worker scratch; variables expand on each node ($TMPDIR)
-    run_directory: str = "~/.hpc-garage/runs"  # run directories, one per job (private)
+    run_directory: str = _values.DEFAULT_RUN_DIRECTORY  # run directories, one per job (private)
     results_directory: str | None = None  # sweeps' persisted results, on storage every node shares; default <run_directory>/sweeps
     requeue: Literal["auto", "never"] = "never"  # auto: a sweep cut short by walltime or a warning signal continues in a follow-up job
     walltime_margin: Seconds | None = None  # wind down this long before the job's end ("10min", "0:30"; a bare number is minutes, as walltime); default 5 % of its limit, 30 s to 10 min

@@ -13,6 +13,7 @@ from typing import Any
 from hpc_garage.core.units import parse_memory, parse_walltime
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+DEFAULT_RUN_DIRECTORY = "~/.hpc-garage/runs"  # a site's `run_directory` where it names none
 # What a site's `scheduler:` may name: the batch systems of schedulers/ (its registry), below which the site
 # model sits, so it keeps their names alone; `schedulers.register` adds a new system's name here.
 BATCH_SYSTEMS = ["slurm", "pbs", "local"]

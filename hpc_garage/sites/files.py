@@ -126,6 +126,20 @@ def read_site_file(path: Path) -> dict[str, Any]:
     return data
 
 
+def directories(path: Path) -> tuple[str, str | None]:
+    """The file's `run_directory` and `results_directory` as written (the defaults where absent), without
+    validating the rest: where `status`, `cancel` and `resume` look for jobs and sweeps, so that finding one
+    costs no site model, and a site file broken elsewhere still shows its jobs. One not a string: SiteError."""
+    from hpc_garage.core.site_values import DEFAULT_RUN_DIRECTORY
+
+    data = read_site_file(path)
+    run, results = data.get("run_directory", DEFAULT_RUN_DIRECTORY), data.get("results_directory")
+    for key, value in (("run_directory", run), ("results_directory", results)):
+        if value is not None and not isinstance(value, str):
+            raise SiteError(f"{path}: {key}: {value!r} is not a path; give a directory")
+    return run, results
+
+
 def check_container_paths(container: ContainerSettings, origin: str) -> None:
     """A container's image file and binds must exist where the site is read (login and compute nodes share
     them): refused in one line now, not as a runtime's error in the job log. Paths with variables ($TMPDIR)

@@ -131,37 +131,37 @@ class JobView:
 
 def run_roots() -> list[RunRoot]:
     """Every run root a visible site names (sites may differ), the default one first."""
-    from hpc_garage.sites import find_sites, load_site
-
     roots = [RunRoot.default()]
-    for path in find_sites().values():
-        try:
-            root = RunRoot.of_site(load_site(path))
-        except UserError:
-            continue
-        if root not in roots:
+    for run_directory, _ in _site_directories():
+        if (root := RunRoot.of(run_directory)) not in roots:
             roots.append(root)
     return roots
 
 
 def results_roots(site_name: str | None = None) -> list[Path]:
     """Where sweeps are kept: the site's results root, or every visible site's (the default one first)."""
-    from hpc_garage.core.site import Site
-    from hpc_garage.sites import find_sites, load_site
+    from hpc_garage.core.site_values import DEFAULT_RUN_DIRECTORY
+    from hpc_garage.sites import load_site
 
     if site_name:
         site = load_site(site_name)
         return [results_root(site.results_directory, site.run_directory)]
-    fields = Site.model_fields
-    roots = [results_root(fields["results_directory"].default, fields["run_directory"].default)]
-    for path in find_sites().values():
-        try:
-            site = load_site(path)
-        except UserError:
-            continue
-        if (root := results_root(site.results_directory, site.run_directory)) not in roots:
+    roots = [results_root(None, DEFAULT_RUN_DIRECTORY)]
+    for run_directory, results_directory in _site_directories():
+        if (root := results_root(results_directory, run_directory)) not in roots:
             roots.append(root)
     return roots
+
+
+def _site_directories() -> Iterator[tuple[str, str | None]]:
+    """(run_directory, results_directory) of every visible site file that can be read (sites/files.py)."""
+    from hpc_garage.sites.files import directories, find_sites
+
+    for path in find_sites().values():
+        try:
+            yield directories(path)
+        except UserError:
+            continue
 
 
 def records(roots: Sequence[RunRoot] | None = None) -> Iterator[tuple[Path, dict[str, Any]]]:
