@@ -22,6 +22,7 @@ which of several roots holds a job; nobody else joins a root and a job id.
     report.json           `run` as COMMAND ends                              `hpc-garage report`
     metrics/              the flow (prefect/metrics.py): trials.json, the    status, report, Prefect
                           trials' reports (`<trial>.jsonl`), 0700            artifacts (cluster/artifacts.py)
+    search.json           `hpc_garage.search`: its best, counts, GPU-hours   status, report
     doctor.json           `doctor --job`'s probe: what it found in the job   `hpc-garage doctor`
     cancel-requested      `cancel`, before it signals the job (no follow-up) `run`'s wind-down
     unrecorded.json       the flow, when Prefect's API died: what it lacks   `hpc-garage replay`
@@ -84,8 +85,7 @@ HANDOFF = (SCHEDULER_FILE, DASK_SCHEDULER_FILE, TLS_DIR, RANKS_FILE)
 # submission (an earlier job of a recycled id: ids wrap, or restart at 1 when a controller loses its state).
 EARLIER_RUN = (FLOW_RUNS_FILE, UNRECORDED_FILE, UNRECORDED_DIR, REPORT_FILE, METRICS_DIR, SEARCH_SUMMARY_FILE,
                DOCTOR_FILE, WORKER_LOG_DIR)
-# The rest stays: submit.json and job.sh are this job's; state.json and worker-jobs.json are rewritten by each run
-# (status takes an older state.json for none); the launchers remove their worker files and rank records.
+# The rest stays: submit.json, job.sh (this job's); state.json, worker-jobs.json (rewritten; status skips an older one).
 
 CLOCK_SLACK = 5.0  # seconds: a file older than the submission (minus this) is an older job's
 

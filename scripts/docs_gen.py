@@ -324,6 +324,12 @@ def layout_page() -> str:
         else:
             rows.append(cells)
     lines += [f"| `{name}` | {by.replace('<', '&lt;')} | {reader.replace('<', '&lt;')} |" for name, by, reader in rows]
+    lines += ["", "A cluster may give a job an id it gave before (ids wrap, and start again at 1 when a controller "
+              "loses its state): as the job starts, `run` clears the handoff, and what an earlier job of that id "
+              "ran (`flow-runs`, `unrecorded*`, `report.json`, `metrics/`, `search.json`, `doctor.json`, "
+              "`worker-logs/`) where it predates this job's submission; a requeued job keeps its first start's. "
+              "`status`, `cancel` and `resume` look for a job in the default run root and in every visible site "
+              "file's `run_directory`, read as written."]
     lines += ["", "The job's log is `<run_directory>/<job id>.out` (`hpc-garage logs JOB`). A sweep's finished "
               "trials live apart from any one job, in the site's `results_directory` (default "
               "`<run_directory>/sweeps/<sweep>/<epoch>/`): [Long sweeps](../how-to/long-sweeps.md).", ""]
