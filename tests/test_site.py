@@ -126,3 +126,24 @@ def test_any_site_file_bytes_are_a_site_or_one_line(tmp_path_factory: pytest.Tem
         parse_site_file(path)
     except SiteError as exc:
         assert "\n" not in str(exc)
+
+
+@pytest.mark.parametrize(("text", "found"), [
+    ("scheduler: slurm\n", ("~/.hpc-garage/runs", None)),
+    ("node: {cores: many}\nrun_directory: /scratch/runs\nresults_directory: /project/sweeps\n",
+     ("/scratch/runs", "/project/sweeps")),
+    ("run_directory: null\n", None), ("run_directory: ''\n", None), ("run_directory: 3\n", None),
+    ("results_directory: [a]\n", None), ("- not a mapping\n", None)])
+def test_a_site_files_directories_are_read_as_written(text: str, found: tuple | None, tmp_path: Path) -> None:
+    """Where status and resume look for a site's jobs and sweeps: the two keys as written, the rest unchecked;
+    a value that is no path is one SiteError naming the file and the key (finding then skips that site)."""
+    from hpc_garage.sites.files import directories
+
+    path = tmp_path / "mine.yaml"
+    path.write_text(text)
+    if found is not None:
+        assert directories(path) == found
+        return
+    with pytest.raises(SiteError) as refused:
+        directories(path)
+    assert str(refused.value).startswith(f"{path}: ")

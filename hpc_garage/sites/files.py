@@ -134,8 +134,8 @@ def directories(path: Path) -> tuple[str, str | None]:
 
     data = read_site_file(path)
     run, results = data.get("run_directory", DEFAULT_RUN_DIRECTORY), data.get("results_directory")
-    for key, value in (("run_directory", run), ("results_directory", results)):
-        if value is not None and not isinstance(value, str):
+    for key, value, optional in (("run_directory", run, False), ("results_directory", results, True)):
+        if not (isinstance(value, str) and value.strip() or optional and value is None):
             raise SiteError(f"{path}: {key}: {value!r} is not a path; give a directory")
     return run, results
 
