@@ -17,8 +17,15 @@ def test_a_tuple_in_list_of_placeholders_becomes_a_subquery_and_nothing_else_cha
         == "SELECT t.id FROM t WHERE t.id IN (?, ?) OR (t.a, t.b) IN (SELECT * FROM (VALUES (?, ?), (?, ?)))"
     assert serve.indexed_tuple_in("x IN (VALUES (?, ?, ?)) AND y IN (VALUES (?, ?, ?))") \
         == "x IN (SELECT * FROM (VALUES (?, ?, ?))) AND y IN (SELECT * FROM (VALUES (?, ?, ?)))"
+    # Prefect's engine (paramstyle `named`) spells the same statement with named placeholders
+    assert serve.indexed_tuple_in("WHERE t.id IN (:id_1_1) OR (t.a, t.b) IN (VALUES (:param_1_1_1, :param_1_1_2), "
+                                  "(:param_1_2_1, :param_1_2_2))") \
+        == ("WHERE t.id IN (:id_1_1) OR (t.a, t.b) IN (SELECT * FROM (VALUES (:param_1_1_1, :param_1_1_2), "
+            "(:param_1_2_1, :param_1_2_2)))")
     for unchanged in ("INSERT INTO t (a, b) VALUES (?, ?), (?, ?)", "SELECT 1 WHERE x IN (?, ?)",
-                      "SELECT 1 WHERE (a, b) IN (VALUES (1, ?))", "SELECT 1 WHERE (a, b) IN (VALUES (?, ?), (?, 'x'))"):
+                      "SELECT 1 WHERE (a, b) IN (VALUES (1, ?))", "SELECT 1 WHERE (a, b) IN (VALUES (?, ?), (?, 'x'))",
+                      "INSERT INTO t (a, b) VALUES (:a_m0, :b_m0), (:a_m1, :b_m1)",
+                      "SELECT 1 WHERE (a, b) IN (VALUES (:a, 1))", "SELECT 1 WHERE (a, b) IN (VALUES (:a, :b), (:c, 'x'))"):
         assert serve.indexed_tuple_in(unchanged) == unchanged
 
 
@@ -43,8 +50,11 @@ def _plan(path: Path, statement: str, parameters: tuple) -> str:
         return " | ".join(row[3] for row in db.execute(f"EXPLAIN QUERY PLAN {statement}", parameters))
 
 
-@pytest.mark.parametrize("driver", ["sqlite", "sqlite+aiosqlite"])
-def test_the_natural_key_lookup_uses_the_index_and_finds_the_same_rows(driver: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("driver", "paramstyle"), [("sqlite", "qmark"), ("sqlite+aiosqlite", "named")])
+def test_the_natural_key_lookup_uses_the_index_and_finds_the_same_rows(driver: str, paramstyle: str,
+                                                                       tmp_path: Path) -> None:
+    """Through plain SQLAlchemy (`?` placeholders) and as Prefect's server makes its engine (aiosqlite, paramstyle
+    `named`: `:param_1_1_1`; before the rewrite knew that form, Prefect's lookups went unrewritten)."""
     serve.install()
     serve.install()  # once is enough: installed twice, it rewrites once
     metadata = sa.MetaData()
@@ -67,10 +77,11 @@ def test_the_natural_key_lookup_uses_the_index_and_finds_the_same_rows(driver: s
             conn.execute(table.insert(), rows)
             found = {r[0] for r in conn.execute(_lookup(table, keys))}
     else:
-        from sqlalchemy.ext.asyncio import create_async_engine
-
         async def run() -> set[str]:
-            engine = create_async_engine(url)  # as Prefect's server makes its engine
+            from prefect.server.database.configurations import AioSqliteConfiguration
+
+            engine = await AioSqliteConfiguration(connection_url=url).engine()  # Prefect's server's own engine
+            assert engine.dialect.paramstyle == paramstyle
             sa.event.listen(engine.sync_engine, "before_cursor_execute", record)
             async with engine.begin() as conn:
                 await conn.run_sync(metadata.create_all)
@@ -82,7 +93,7 @@ def test_the_natural_key_lookup_uses_the_index_and_finds_the_same_rows(driver: s
         found = asyncio.run(run())
     assert found == {f"id-{i}" for i in range(0, 3000, 29)}
     statement, parameters = seen[-1]
-    assert "IN (SELECT * FROM (VALUES (?, ?, ?), " in statement
+    assert "IN (SELECT * FROM (VALUES (" in statement and ("?" if paramstyle == "qmark" else ":param_1_1_1") in statement
     plan = _plan(tmp_path / "prefect.db", statement, parameters)
     assert "SEARCH task_run USING INDEX sqlite_autoindex_task_run_2" in plan and "SCAN task_run" not in plan, plan
     # without the rewrite, SQLite reads the whole table for the same statement

@@ -20,8 +20,11 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-# `IN (VALUES (?, ?), (?, ?))` made of placeholders only: nothing else SQLAlchemy writes has this shape
-_VALUES_LIST = re.compile(r"IN \(VALUES (\(\?(?:, \?)*\)(?:, \(\?(?:, \?)*\))*)\)")
+# `IN (VALUES (?, ?), (?, ?))` made of placeholders only: nothing else SQLAlchemy writes has this shape. Prefect's
+# engine uses the `named` paramstyle (`(:param_1_1_1, :param_1_1_2)`), plain SQLAlchemy `qmark`: either is one.
+_PLACEHOLDER = r"(?:\?|:[A-Za-z_][A-Za-z0-9_]*)"
+_ROW = rf"\({_PLACEHOLDER}(?:, {_PLACEHOLDER})*\)"
+_VALUES_LIST = re.compile(rf"IN \(VALUES ({_ROW}(?:, {_ROW})*)\)")
 _said: list[bool] = []  # the first rewrite is said once in the server's log
 
 
