@@ -89,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
                      "--out", str(target)], out / f"{name}.log")
         if code != 0 or not target.exists():
             failed.append(name)
+            _say_why(name, code, out / f"{name}.log")
             sections[name] = {"failed": f"exit code {code}"}
             continue
         sections[name] = json.loads(target.read_text()) | {"seconds": round(time.monotonic() - begun, 1)}
@@ -122,6 +123,14 @@ def _run(argv: list[str], log: Path) -> int:
             if line.startswith("bench:"):
                 print(line, end="", file=sys.stderr, flush=True)
         return process.wait()
+
+
+def _say_why(name: str, code: int, log: Path, lines: int = 25) -> None:
+    """A failed benchmark's last log lines (its traceback), where the caller sees them: a CI run keeps no log."""
+    tail = log.read_text(errors="replace").splitlines()[-lines:] if log.exists() else []
+    say(f"{name}: exit code {code}; the last {len(tail)} lines of {log}:")
+    for line in tail:
+        say(f"{name}| {line}")
 
 
 def _runs_of(name: str, runs: int, quick: bool) -> int:

@@ -76,10 +76,8 @@ KEPT_SUFFIX = ".jsonl"  # in UNRECORDED_DIR: <kind>-<host>-<pid>.jsonl, kind eve
 KEPT_FLOW_STATES_FILE = "flow-runs.json"  # in UNRECORDED_DIR
 REPLAYED_FILE = "replayed.json"  # in UNRECORDED_DIR
 
-# One run's cluster: its address, its keys, what its nodes read. They hold only while that run lives, so `run`
-# removes them as it ends and a new run clears them as it starts (the last one may have been killed first):
-# COMMAND must never reach a cluster that is gone, nor anyone find its keys. (Two lists said this before: the
-# start's named a `workers` that nothing writes, the end's added ranks.json.)
+# One run's cluster (its address, its keys, what its nodes read): `run` removes it as it ends and a new run clears
+# it as it starts (the last may have been killed), so COMMAND never reaches a cluster that is gone, nor anyone its keys.
 HANDOFF = (SCHEDULER_FILE, DASK_SCHEDULER_FILE, TLS_DIR, RANKS_FILE)
 # What one job's run wrote: kept across a requeue (replay needs its first start's), cleared where it predates the
 # submission (an earlier job of a recycled id: ids wrap, or restart at 1 when a controller loses its state).
@@ -88,6 +86,22 @@ EARLIER_RUN = (FLOW_RUNS_FILE, UNRECORDED_FILE, UNRECORDED_DIR, REPORT_FILE, MET
 # The rest stays: submit.json, job.sh (this job's); state.json, worker-jobs.json (rewritten; status skips an older one).
 
 CLOCK_SLACK = 5.0  # seconds: a file older than the submission (minus this) is an older job's
+
+
+def submission_time(record: Mapping[str, Any] | None) -> float | None:
+    """When a job was submitted, less CLOCK_SLACK, from its submit.json `record`; None: hpc-garage did not."""
+    submitted = (record or {}).get("submitted")
+    return float(submitted) - CLOCK_SLACK if isinstance(submitted, (int, float)) else None
+
+
+def since_submission(written: float | Path, submitted: float | None) -> bool:
+    """Whether a file (by its mtime; False where it does not exist) or a record's own time stamp is this job's:
+    written since `submitted` (submission_time's; None: anything is). The one check of a recycled job id."""
+    try:
+        stamp = written.stat().st_mtime if isinstance(written, Path) else written
+    except OSError:
+        return False
+    return submitted is None or stamp >= submitted
 
 
 class Published(Protocol):
@@ -178,20 +192,15 @@ class RunDir:
     # ---- its life
 
     def create(self, submitted: float | None = None) -> RunDir:
-        """Make the directory private, and clear what an earlier job with the same id left behind: the
-        handoff always; its flow runs and unreplayed records where they predate this job's submission
-        (`submitted`: a requeued job keeps what its first start left for replay)."""
+        """Make the directory private, and clear what an earlier job with the same id left: the handoff always,
+        EARLIER_RUN where it predates `submitted` (a requeued job keeps what its first start left for replay)."""
         self.path.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(self.path, 0o700)
         self.clear_handoff()
         _remove(self.path / CANCEL_FILE)  # asked of an earlier start of this job (or an earlier job of its id)
         for name in EARLIER_RUN:
-            try:
-                if submitted is None or (self.path / name).stat().st_mtime >= submitted:
-                    continue
-            except FileNotFoundError:
-                continue
-            _remove(self.path / name)
+            if not since_submission(self.path / name, submitted):
+                _remove(self.path / name)
         return self
 
     def clear_handoff(self) -> None:
@@ -200,10 +209,8 @@ class RunDir:
             _remove(self.path / name)
 
     def submitted_at(self) -> float | None:
-        """When this job was submitted (less CLOCK_SLACK), from its submit.json; None for a run hpc-garage did
-        not submit. Files in it older than that are an earlier job's (a recycled id)."""
-        submitted = (self.submit_record() or {}).get("submitted")
-        return float(submitted) - CLOCK_SLACK if isinstance(submitted, (int, float)) else None
+        """submission_time of this job's submit.json: what in it is older is an earlier job's (since_submission)."""
+        return submission_time(self.submit_record())
 
     # ---- what `submit` leaves
 
@@ -308,15 +315,8 @@ class RunDir:
         """Where `write_credentials` puts them, as Security keyword arguments: known before they exist, so
         workers and COMMAND can be started while the credentials (and the scheduler) are made."""
         cert, key = str(self.tls_dir / CERT_FILE), str(self.tls_dir / KEY_FILE)
-        return {
-            "tls_ca_file": cert,
-            "tls_client_cert": cert,
-            "tls_client_key": key,
-            "tls_scheduler_cert": cert,
-            "tls_scheduler_key": key,
-            "tls_worker_cert": cert,
-            "tls_worker_key": key,
-        }
+        return {"tls_ca_file": cert, "tls_client_cert": cert, "tls_client_key": key, "tls_scheduler_cert": cert,
+                "tls_scheduler_key": key, "tls_worker_cert": cert, "tls_worker_key": key}
 
     def publish(self, handoff: Published) -> Path:
         """Write scheduler.json: the cluster is ready."""

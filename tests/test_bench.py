@@ -454,3 +454,17 @@ def test_process_cpu_bench_judges_each_kind_with_hooks_on_against_bypassed_from_
     assert workers["ratios"] == {"Prefect's own path (bypassed)": 40.0 / 48.0}
     server = figures[("CPU of the server", "hpc-garage (worker hooks on)")]
     assert server["met"] is False  # the same: not less
+
+
+def test_a_failed_benchmark_says_why_where_the_caller_sees_it(monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str],
+                                                               tmp_path: Path) -> None:
+    """A CI run keeps no benchmark log: its traceback's last lines come out on stderr with the failure."""
+    import bench.__main__ as bench_main
+
+    monkeypatch.setattr(bench_main, "_module", lambda name: "no_such_benchmark")
+    assert bench_main.main(["--quick", "--only", "cli", "--out", str(tmp_path)]) == 1
+    said = capsys.readouterr().err
+    assert any(line.startswith("bench: cli| ") and "No module named bench.no_such_benchmark" in line
+               for line in said.splitlines()), said
+    assert "bench: failed: cli" in said

@@ -311,3 +311,12 @@ def test_a_server_that_cannot_start_is_refused_at_once(cause: str, entry: str, h
     cause_named = "cannot import name 'SERVER_API'" if cause == "import" else f"port {value} of 127.0.0.1 is already in use"
     assert f"exited with code {1 if cause == 'import' else 2}: " in line and cause_named in line, line
     assert not ServerDir.of().state_file.exists()
+
+
+def test_a_group_that_ends_before_its_signal_is_no_error() -> None:
+    """terminate() looks, then signals: under load the group's last member can end in between."""
+    ended = subprocess.Popen(["true"], start_new_session=True)
+    ended.wait()  # reaped: its group has no member left
+    with pytest.raises(ProcessLookupError):
+        os.killpg(ended.pid, signal.SIGKILL)  # what terminate() called before
+    processes._signal_group(ended.pid, signal.SIGKILL)

@@ -141,7 +141,7 @@ def load(view: Any, job_id: str) -> dict[str, Any]:
     import json
 
     from hpc_garage.core.errors import UserError
-    from hpc_garage.rundir import REPORT_FILE, RunDir
+    from hpc_garage.rundir import REPORT_FILE, RunDir, since_submission
     from hpc_garage.schedulers.submission import run_dir_of
 
     run_dir = run_dir_of(view, REPORT_FILE)
@@ -149,9 +149,9 @@ def load(view: Any, job_id: str) -> dict[str, Any]:
         raise UserError(f"job {job_id} has no run directory here, so no report; pass --site if its site keeps "
                         "its runs elsewhere")
     rundir = RunDir(run_dir)
-    path, submitted = rundir.report_file, rundir.submitted_at()
+    path = rundir.report_file
     try:
-        if submitted is not None and path.stat().st_mtime < submitted:  # an earlier job's, of a recycled id
+        if not since_submission(path, rundir.submitted_at()):  # none yet, or an earlier job's (a recycled id)
             raise FileNotFoundError(path)
         data = json.loads(path.read_text())
     except FileNotFoundError:
@@ -194,7 +194,7 @@ def by_task_run(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
 def trial_curves(view: Any, report: dict[str, Any]) -> dict[str, list[tuple[float, float]]]:
     """Each reporting trial's points of the report's metric (`view`: the job's JobView), for `plot`."""
     from hpc_garage.cluster.trial_metrics import curves
-    from hpc_garage.rundir import REPORT_FILE, RunDir
+    from hpc_garage.rundir import REPORT_FILE, RunDir, since_submission
     from hpc_garage.schedulers.submission import run_dir_of
 
     run_dir = run_dir_of(view, REPORT_FILE)

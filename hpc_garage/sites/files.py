@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from hpc_garage.core.errors import SiteError
-from hpc_garage.core.site_values import NAME_PATTERN  # noqa: F401 (API)
+from hpc_garage.core.site_values import DEFAULT_RUN_DIRECTORY, NAME_PATTERN  # noqa: F401 (NAME_PATTERN: API)
 from hpc_garage.variables import SITES_PATH_ENV
 
 if TYPE_CHECKING:
@@ -130,8 +130,6 @@ def directories(path: Path) -> tuple[str, str | None]:
     """The file's `run_directory` and `results_directory` as written (the defaults where absent), without
     validating the rest: where `status`, `cancel` and `resume` look for jobs and sweeps, so that finding one
     costs no site model, and a site file broken elsewhere still shows its jobs. One not a string: SiteError."""
-    from hpc_garage.core.site_values import DEFAULT_RUN_DIRECTORY
-
     data = read_site_file(path)
     run, results = data.get("run_directory", DEFAULT_RUN_DIRECTORY), data.get("results_directory")
     for key, value, optional in (("run_directory", run, False), ("results_directory", results, True)):

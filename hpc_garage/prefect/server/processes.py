@@ -77,15 +77,23 @@ def terminate(state: ServerState, grace: float = 10.0) -> bool:
     # id is never reused while it has members, so these are its own
     leftovers = not running and bool(_members(state))
     if running or leftovers:
-        os.killpg(state.pid, signal.SIGTERM)
+        _signal_group(state.pid, signal.SIGTERM)
         deadline = time.monotonic() + grace
         while (process_alive(state.pid) or _members(state)) and time.monotonic() < deadline:
             time.sleep(0.1)
         if process_alive(state.pid) or _members(state):
-            os.killpg(state.pid, signal.SIGKILL)
+            _signal_group(state.pid, signal.SIGKILL)
     if (child := children.pop(state.pid, None)) is not None:
         child.wait(timeout=5)  # reap it
     return running
+
+
+def _signal_group(group: int, how: signal.Signals) -> None:
+    """Signal the group; its last member may end between our look and the signal (that is no error)."""
+    try:
+        os.killpg(group, how)
+    except ProcessLookupError:
+        pass
 
 
 def _is_our_server(state: ServerState) -> bool:

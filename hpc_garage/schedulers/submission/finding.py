@@ -19,7 +19,7 @@ from typing import Any
 
 from hpc_garage.core.errors import UserError
 from hpc_garage.core.progress_text import progress_text
-from hpc_garage.rundir import CLOCK_SLACK, RunDir, RunRoot, first_run_dir, newest_submitted
+from hpc_garage.rundir import RunDir, RunRoot, first_run_dir, newest_submitted, since_submission, submission_time
 from hpc_garage.schedulers.base import JOB_ID, BatchSystem, JobStatus
 from hpc_garage.sweeps import SweepBook, results_root
 
@@ -228,8 +228,7 @@ def refresh(view: JobView, status: JobStatus | None | bool = False) -> JobView:
     view.state = None
     if view.run_dir is not None:
         state = RunDir(view.run_dir).state()
-        submitted = record.get("submitted") or 0
-        if state and (state.get("updated") or 0) >= submitted - CLOCK_SLACK:
+        if state and since_submission(state.get("updated") or 0, submission_time(record)):
             view.state = state
     if view.status is None and not view.batch.takes_jobs:
         view.status = _elsewhere(view)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from hpc_garage.core.errors import UserError
-from hpc_garage.rundir import CLOCK_SLACK, RunDir
+from hpc_garage.rundir import RunDir, since_submission, submission_time
 from hpc_garage.core.progress_text import sweep_text
 from hpc_garage.schedulers.submission.finding import JobView, check_job_id, other_host, refresh
 
@@ -187,9 +187,9 @@ def log_files(view: JobView) -> list[Path]:
 def logs(view: JobView, out: IO[bytes], *, follow: bool = False, poll: float = 0.5) -> None:
     """Copy the job's log to `out`; with `follow`, keep copying until the job has ended and the log is drained."""
     files = log_files(view)
-    submitted = (view.record or {}).get("submitted") or 0
+    submitted = submission_time(view.record)  # a log older than that is an earlier job's, of the same id
     if not follow:
-        fresh = [f for f in files if _fresh(f, submitted)]
+        fresh = [f for f in files if since_submission(f, submitted)]
         if not fresh:
             refresh(view)
             raise UserError(f"job {view.job_id} ({view.summary()}) has no log yet at {files[0]}; "
@@ -204,7 +204,7 @@ def logs(view: JobView, out: IO[bytes], *, follow: bool = False, poll: float = 0
     while True:
         ended = refresh(view).finished  # ask first: what is written before the job ends is read below
         for f, offset in offsets.items():
-            if not _fresh(f, submitted):
+            if not since_submission(f, submitted):
                 continue
             with f.open("rb") as handle:
                 handle.seek(offset)
@@ -216,11 +216,3 @@ def logs(view: JobView, out: IO[bytes], *, follow: bool = False, poll: float = 0
         if ended:
             return
         time.sleep(poll)
-
-
-def _fresh(path: Path, submitted: float) -> bool:
-    """The file exists and was written by this job, not an older one with the same id."""
-    try:
-        return path.stat().st_mtime >= submitted - CLOCK_SLACK
-    except OSError:
-        return False
