@@ -74,7 +74,10 @@ def main(argv: list[str] | None = None) -> int:
 def measure(kind: str, n: int, ui: bool = False) -> dict[str, Any]:
     """One row: `hpc-garage run --site local -- python -m bench.scale_flow N` in a HOME of its own; with `ui`,
     the flow run's page in chromium once the run has ended (bench/ui_at_size.py)."""
-    say(f"scale: {kind}, {n:,} trials")
+    from hpc_garage.prefect.server.postgres import database_choice
+
+    database = database_choice(os.environ).label()  # HPC_GARAGE_PREFECT_DATABASE, as `run` reads it
+    say(f"scale: {kind}, {n:,} trials" + (f", Prefect's database {database}" if kind == "hpc-garage" else ""))
     with tempfile.TemporaryDirectory(prefix="hpc-garage-bench-scale-") as home:
         out = Path(home) / "flow.json"
         env = {**os.environ, "HOME": home, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
@@ -108,8 +111,9 @@ def measure(kind: str, n: int, ui: bool = False) -> dict[str, Any]:
             say(f"scale: {kind} {n:,}: exit {process.returncode}: {stderr.strip().splitlines()[-1:]}")
             return {"kind": kind, "n": n, "right": False, "error": f"exit code {process.returncode}"}
         flow = json.loads(out.read_text())
-    row = {"kind": kind, "n": n, "right": flow["right"], "seconds": flow["seconds"], "run_seconds": round(wall, 1),
-           "trials_per_s": round(n / flow["seconds"], 1), **per_thousand(flow["ends"], n),
+    row = {"kind": kind, "n": n, "database": database, "right": flow["right"], "seconds": flow["seconds"],
+           "run_seconds": round(wall, 1), "trials_per_s": round(n / flow["seconds"], 1),
+           **per_thousand(flow["ends"], n),
            "peak_rss_mib": sampler.peak_mib(), "server_cpu_ms_per_trial": sampler.server_cpu_ms(n),
            "cores_start_end": sampler.cores_by_kind(),
            **{k: flow[k] for k in ("limit", "peak_in_flight", "released") if k in flow},
@@ -124,12 +128,13 @@ def measure(kind: str, n: int, ui: bool = False) -> dict[str, Any]:
 def browse_run(env: dict[str, str], n: int) -> dict[str, Any]:
     """The run's flow run in chromium, its server still up: seconds to its page and its Task Runs tab."""
     from bench.concurrent_sweeps import _post
+    from hpc_garage.prefect.server.postgres import database_choice
     from bench.ui_at_size import browse, caught_up, managed_api
 
     try:
         api = managed_api(env)
         flow_run = _post(api, "/flow_runs/filter", {"limit": 1})[0]["id"]
-        shot = Path("bench") / "results" / f"ui-scale-sqlite-{n}.png"
+        shot = Path("bench") / "results" / f"ui-scale-{database_choice(env).kind}-{n}.png"
         return {"ui": {"caught_up_s": caught_up(env)} | browse(api, flow_run, ROOT / shot) | {"screenshot": str(shot)}}
     except Exception as exc:  # noqa: BLE001 - a bench: the failure is the result
         return {"ui": {"error": f"{type(exc).__name__}: {exc}"[:500]}}
@@ -296,7 +301,9 @@ def section(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The rows, and hpc-garage's trials/s at each size as a figure against its peers at that size."""
     figures = []
     for n in sorted({r["n"] for r in rows}):
-        group = f"issue 32 scale: {n:,} trivial tagged trials, `hpc-garage run --site local`, 2 workers"
+        group = f"issue 32 scale: {n:,} trivial tagged trials, `hpc-garage run --site local`, 2 workers" + "".join(
+            sorted({f", Prefect's database {r['database']}" for r in rows if r["n"] == n and r.get("kind") ==
+                    "hpc-garage" and r.get("database", "sqlite") != "sqlite"}))
         for r in (r for r in rows if r["n"] == n):
             figures.append(Figure(group, KINDS[r["kind"]], "tasks/s", [r["trials_per_s"]] if r.get("right") else [],
                                   ours=r["kind"] == "hpc-garage", higher_is_better=True,

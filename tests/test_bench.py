@@ -235,6 +235,9 @@ def test_pruning_judges_asha_against_ray_tune_and_the_unpruned_sweep_with_the_sa
     assert ray["values"] == [] and ray["note"] == "skipped: no pip"
     asha_alone = next(f for f in skipped["figures"] if f["label"] == LABELS["asha"])
     assert asha_alone["met"] is None and "against Ray Tune: not measured" in asha_alone["note"]  # no Ray, no verdict
+    assert result["figures"][0]["group"].endswith("2 workers")  # SQLite: as every earlier row
+    on_postgres = section([row | {"database": "postgresql (managed)"}, peer])["figures"]
+    assert on_postgres[0]["group"].endswith(", Prefect's database postgresql (managed)") and on_postgres[0]["ours"]
     text = markdown({"machine": {"date": "today"}, "quick": False, "runs": 1, "seconds": 1.0,
                      "benchmarks": {"pruning": skipped | {"seconds": 60}}})
     assert "| skipped |" in text and f"| {LABELS['asha']} | 45.0 s | 12.0 s | 26 | – | 3 |" in text
@@ -414,6 +417,9 @@ def test_scale_bench_reads_the_time_per_thousand_and_the_process_kinds_and_rende
         assert [f["met"] for f in ours] == [met]
     result = section([row, peer, {"kind": "threads", "n": 3000, "right": False, "error": "exit code 1"}])
     assert [f["values"] for f in result["figures"]] == [[150.0], [500.0], []]
+    assert result["figures"][0]["group"].endswith("2 workers")  # SQLite: as every earlier row
+    on_postgres = section([row | {"database": "postgresql (managed)"}, peer])["figures"]
+    assert on_postgres[0]["group"].endswith(", Prefect's database postgresql (managed)") and on_postgres[0]["ours"]
     text = markdown({"machine": {"date": "today"}, "quick": False, "runs": 1, "seconds": 1.0,
                      "benchmarks": {"scale": result}})
     assert "| hpc-garage | 3,000 | 150.0 | 6.0 s → 6.5 s | flow 200, scheduler 300 | 3.5 ms | server 0.50 → 0.90 |" \
