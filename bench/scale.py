@@ -6,6 +6,7 @@ ThreadPoolTaskRunner (no cluster; at the middle size).
     python -m bench.scale --sizes 1000,10000,100000 --out scale.json
     python -m bench.scale --quick --out scale.json      # 200 trials, hpc-garage and Client.map: the bench works
     python -m bench.scale --sizes 100000 --contenders hpc-garage --store   # one row, stored in bench/results/runs/
+    python -m bench.scale --sizes 100000 --contenders hpc-garage --site lab-cpu --nodes 2 --store   # a batch job
 
 Each row is one `hpc-garage run` with a HOME of its own (so its own Prefect server and database, stopped after):
 trials/s (the flow's first submission to its last result read), the time per 1,000 trials at the start (the second
@@ -13,12 +14,15 @@ trials/s (the flow's first submission to its last result read), the time per 1,0
 times; peak RSS summed by process kind (the scheduler = `run`'s process, the flow, the workers, the Prefect server
 and its database) sampled every second; the server's CPU per trial over the flow's life; and how long
 `hpc-garage status` and `hpc-garage status JOBID` take while the run runs (every 10 s, a fresh CLI each time).
+With --site (hpc-garage's row only), the same flow is a batch job: `hpc-garage submit --site SITE -N NODES --wait
+bench/scale_flow.py N ...` on the local SLURM, its processes (each node's, on this one host) sampled the same way.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import os
 import subprocess
@@ -26,6 +30,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,19 +51,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contenders", default=",".join(KINDS), help=f"of {', '.join(KINDS)} (comma-separated)")
     parser.add_argument("--out", type=Path, help="the section as JSON (python -m bench reads it)")
     parser.add_argument("--store", action="store_true", help="store it in bench/results/runs/ as python -m bench does")
+    parser.add_argument("--site", help="hpc-garage's row as a batch job of this site (`submit --wait`), not `run`")
+    parser.add_argument("--nodes", type=int, default=1, help="the batch job's nodes (with --site)")
     parser.add_argument("--ui", action="store_true", help="then open hpc-garage's flow run in chromium (its "
                         "page and Task Runs tab, timed, a screenshot in bench/results/) before the server stops")
     args = parser.parse_args(argv)
     wanted = args.contenders.split(",")
     if not (args.out or args.store) or set(wanted) - set(KINDS):
         parser.error(f"--contenders {args.contenders}: of {', '.join(KINDS)}; and --out FILE or --store")
+    if args.site and wanted != ["hpc-garage"]:
+        parser.error(f"--site {args.site}: give --contenders hpc-garage (the peers run under `run --site local`)")
     began, about = time.monotonic(), machine()
     sizes = [200] if args.quick else [int(s) for s in args.sizes.split(",")]
     rows = [(kind, n) for n in sizes for kind in ("hpc-garage", "dask")]
     if not args.quick:  # each row is a run of its own (a cluster, a server): --quick keeps two
         rows.insert(2, ("prefect-dask", sizes[0]))
         rows.append(("threads", sizes[min(1, len(sizes) - 1)]))
-    found = [measure(kind, n, ui=args.ui and kind == "hpc-garage") for kind, n in rows if kind in wanted]
+    job = Job(args.site, args.nodes) if args.site else None
+    found = [measure(kind, n, ui=args.ui and kind == "hpc-garage", job=job) for kind, n in rows if kind in wanted]
     if args.out:
         args.out.write_text(json.dumps(section(found), indent=2) + "\n")
     if args.store:
@@ -71,9 +81,24 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(r.get("right") for r in found) else 1
 
 
-def measure(kind: str, n: int, ui: bool = False) -> dict[str, Any]:
-    """One row: `hpc-garage run --site local -- python -m bench.scale_flow N` in a HOME of its own; with `ui`,
-    the flow run's page in chromium once the run has ended (bench/ui_at_size.py)."""
+@dataclass(frozen=True)
+class Job:
+    """hpc-garage's row as a batch job: `submit --site SITE -N NODES --wait` instead of `run --site local`."""
+
+    site: str
+    nodes: int
+
+    def argv(self, flow: list[str]) -> list[str]:
+        return [str(BIN / "hpc-garage"), "submit", "--site", self.site, "-N", str(self.nodes), "--time", "01:00:00",
+                "--wait", str(ROOT / "bench" / "scale_flow.py"), *flow]
+
+    def says(self) -> str:
+        return f"`hpc-garage submit --site {self.site} -N {self.nodes}`, the local SLURM"
+
+
+def measure(kind: str, n: int, ui: bool = False, job: Job | None = None) -> dict[str, Any]:
+    """One row: `hpc-garage run --site local -- python -m bench.scale_flow N` in a HOME of its own (or `job`'s
+    submit); with `ui`, the flow run's page in chromium once the run has ended (bench/ui_at_size.py)."""
     from hpc_garage.prefect.server.postgres import database_choice
 
     database = database_choice(os.environ).label()  # HPC_GARAGE_PREFECT_DATABASE, as `run` reads it
@@ -85,9 +110,10 @@ def measure(kind: str, n: int, ui: bool = False) -> dict[str, Any]:
         for name in ("PREFECT_API_URL", "PREFECT_HOME", "PREFECT_PROFILE", "HPC_GARAGE_SCHEDULER_FILE"):
             env.pop(name, None)
         started = time.monotonic()
-        process = subprocess.Popen([str(BIN / "hpc-garage"), "run", "--site", "local", "--", PYTHON, "-m",
-                                    "bench.scale_flow", str(n), str(out), kind], cwd=home, env=env,
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        argv = [str(BIN / "hpc-garage"), "run", "--site", "local", "--", PYTHON, "-m", "bench.scale_flow", str(n),
+                str(out), kind] if job is None else job.argv([str(n), str(out), kind])
+        process = subprocess.Popen(argv, cwd=home, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                   text=True)
         sampler = Sampler(process.pid, home)
         sampler.start()
         probe = StatusProbe(env, home) if kind == "hpc-garage" else None
@@ -111,8 +137,8 @@ def measure(kind: str, n: int, ui: bool = False) -> dict[str, Any]:
             say(f"scale: {kind} {n:,}: exit {process.returncode}: {stderr.strip().splitlines()[-1:]}")
             return {"kind": kind, "n": n, "right": False, "error": f"exit code {process.returncode}"}
         flow = json.loads(out.read_text())
-    row = {"kind": kind, "n": n, "database": database, "right": flow["right"], "seconds": flow["seconds"],
-           "run_seconds": round(wall, 1), "trials_per_s": round(n / flow["seconds"], 1),
+    row = {"kind": kind, "n": n, "database": database, **({"job": job.says()} if job else {}), "right": flow["right"],
+           "seconds": flow["seconds"], "run_seconds": round(wall, 1), "trials_per_s": round(n / flow["seconds"], 1),
            **per_thousand(flow["ends"], n),
            "peak_rss_mib": sampler.peak_mib(), "server_cpu_ms_per_trial": sampler.server_cpu_ms(n),
            "cores_start_end": sampler.cores_by_kind(),
@@ -154,15 +180,19 @@ def per_thousand(ends: list[float], n: int) -> dict[str, float | None]:
 
 
 def kind_of(pid: int, root: int, cmdline: str) -> str:
-    """Which part of a run a process is."""
-    if pid == root:
+    """Which part of a run a process is: `run` (the root, or the batch job's) holds the scheduler."""
+    command = re.search(r"(?:hpc-garage|-m hpc_garage) (run|submit)\b", cmdline)
+    words = cmdline.split()
+    if command and command.group(1) == "submit" or words and Path(words[0]).name in ("srun", "mpiexec", "mpirun"):
+        return "other"  # the bench's `submit --wait`, which follows the job; the launchers' step commands
+    if pid == root or command:
         return "scheduler"
-    if "bench.scale_flow" in cmdline:
+    if "scale_flow" in cmdline:
         return "flow"
     if "postgres" in cmdline:
         return "database"
-    if "multiprocessing" in cmdline or "spawn_main" in cmdline:  # the workers (and their forkserver)
-        return "workers"
+    if "multiprocessing" in cmdline or "spawn_main" in cmdline or "hpc_garage.launchers." in cmdline:
+        return "workers"  # the workers (and their forkserver); a batch job's node processes
     if "prefect" in cmdline and "server" in cmdline:  # the keeper and the server
         return "server"
     return "other"
@@ -301,9 +331,10 @@ def section(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The rows, and hpc-garage's trials/s at each size as a figure against its peers at that size."""
     figures = []
     for n in sorted({r["n"] for r in rows}):
-        group = f"issue 32 scale: {n:,} trivial tagged trials, `hpc-garage run --site local`, 2 workers" + "".join(
-            sorted({f", Prefect's database {r['database']}" for r in rows if r["n"] == n and r.get("kind") ==
-                    "hpc-garage" and r.get("database", "sqlite") != "sqlite"}))
+        ours = [r for r in rows if r["n"] == n and r.get("kind") == "hpc-garage"]
+        how = next((r["job"] for r in ours if r.get("job")), "`hpc-garage run --site local`, 2 workers")
+        group = f"issue 32 scale: {n:,} trivial tagged trials, {how}" + "".join(
+            sorted({f", Prefect's database {r['database']}" for r in ours if r.get("database", "sqlite") != "sqlite"}))
         for r in (r for r in rows if r["n"] == n):
             figures.append(Figure(group, KINDS[r["kind"]], "tasks/s", [r["trials_per_s"]] if r.get("right") else [],
                                   ours=r["kind"] == "hpc-garage", higher_is_better=True,

@@ -238,6 +238,12 @@ def test_pruning_judges_asha_against_ray_tune_and_the_unpruned_sweep_with_the_sa
     assert result["figures"][0]["group"].endswith("2 workers")  # SQLite: as every earlier row
     on_postgres = section([row | {"database": "postgresql (managed)"}, peer])["figures"]
     assert on_postgres[0]["group"].endswith(", Prefect's database postgresql (managed)") and on_postgres[0]["ours"]
+    job = Job("lab-cpu", 2)
+    assert job.argv(["10", "o.json", "hpc-garage"])[1:10] == ["submit", "--site", "lab-cpu", "-N", "2", "--time",
+                                                              "01:00:00", "--wait", str(ROOT / "bench/scale_flow.py")]
+    as_job = section([row | {"job": job.says()}])["figures"][0]
+    assert as_job["group"] == "issue 32 scale: 3,000 trivial tagged trials, `hpc-garage submit --site lab-cpu -N 2`, " \
+        "the local SLURM"
     text = markdown({"machine": {"date": "today"}, "quick": False, "runs": 1, "seconds": 1.0,
                      "benchmarks": {"pruning": skipped | {"seconds": 60}}})
     assert "| skipped |" in text and f"| {LABELS['asha']} | 45.0 s | 12.0 s | 26 | – | 3 |" in text
@@ -387,7 +393,7 @@ def test_the_benchmarks_page_shows_figures_only_from_stored_outputs() -> None:
 def test_scale_bench_reads_the_time_per_thousand_and_the_process_kinds_and_renders_its_rows() -> None:
     """bench/scale.py (issue 32): its arithmetic, no timing asserted."""
     from bench.report import markdown
-    from bench.scale import Sampler, kind_of, per_thousand, section
+    from bench.scale import Job, Sampler, kind_of, per_thousand, section
 
     ends = [i * 0.01 for i in range(2000)] + [20 + i * 0.02 for i in range(1, 1001)]  # 3,000, slower at the end
     found = per_thousand(list(reversed(ends)), 3000)
@@ -401,6 +407,14 @@ def test_scale_bench_reads_the_time_per_thousand_and_the_process_kinds_and_rende
     assert kind_of(10, 7, "python3 -m prefect server start --host 127.0.0.1") == "server"
     assert kind_of(11, 7, "postgres -D /x") == "database"
     assert kind_of(12, 7, "python3 -m hpc_garage.prefect.server prefect server start --port 9") == "server"
+    # a batch job's (--site): the bench's `submit --wait` is the root and follows it; `run` in the job holds the
+    # scheduler, whatever its pid; the flow runs as a script; each node's process hosts that node's workers
+    assert kind_of(7, 7, "/v/bin/hpc-garage submit --site lab-cpu -N 2 --wait /r/bench/scale_flow.py 10 o") == "other"
+    assert kind_of(20, 7, "python3 -m hpc_garage run --site /r/lab-cpu.yaml -- python3 /r/bench/scale_flow.py 10") \
+        == "scheduler"
+    assert kind_of(21, 7, "python3 /r/bench/scale_flow.py 10 /h/flow.json hpc-garage") == "flow"
+    assert kind_of(22, 7, "python3 -m hpc_garage.launchers.mpi /h/runs/5/ranks.json 1") == "workers"
+    assert kind_of(23, 7, "srun --nodes=1 --ntasks=1 python3 -m hpc_garage.launchers.mpi /h/ranks.json 1") == "other"
     sampler = Sampler(7, "/nonexistent")  # cores busy by kind: first tenth and last tenth of the samples
     sampler.cpu = [(float(t), {"server": 0.5 * t if t < 90 else 45 + 0.9 * (t - 90), "flow": 0.2 * t})
                    for t in range(101)]
@@ -420,6 +434,12 @@ def test_scale_bench_reads_the_time_per_thousand_and_the_process_kinds_and_rende
     assert result["figures"][0]["group"].endswith("2 workers")  # SQLite: as every earlier row
     on_postgres = section([row | {"database": "postgresql (managed)"}, peer])["figures"]
     assert on_postgres[0]["group"].endswith(", Prefect's database postgresql (managed)") and on_postgres[0]["ours"]
+    job = Job("lab-cpu", 2)
+    assert job.argv(["10", "o.json", "hpc-garage"])[1:10] == ["submit", "--site", "lab-cpu", "-N", "2", "--time",
+                                                              "01:00:00", "--wait", str(ROOT / "bench/scale_flow.py")]
+    as_job = section([row | {"job": job.says()}])["figures"][0]
+    assert as_job["group"] == "issue 32 scale: 3,000 trivial tagged trials, `hpc-garage submit --site lab-cpu -N 2`, " \
+        "the local SLURM"
     text = markdown({"machine": {"date": "today"}, "quick": False, "runs": 1, "seconds": 1.0,
                      "benchmarks": {"scale": result}})
     assert "| hpc-garage | 3,000 | 150.0 | 6.0 s → 6.5 s | flow 200, scheduler 300 | 3.5 ms | server 0.50 → 0.90 |" \
