@@ -175,7 +175,8 @@ def _extra(name: str, section: dict[str, Any]) -> list[str]:
         out.append("")
         for r in section["rows"]:
             if ui := r.get("ui"):
-                out.append(f"- the UI after {r['n']:,} trials (chromium, SQLite): " + (
+                database = {"sqlite": "SQLite"}.get(r.get("database", "sqlite"), r.get("database"))
+                out.append(f"- the UI after {r['n']:,} trials (chromium, {database}): " + (
                     f"failed: {ui['error']}" if "error" in ui else
                     f"flow-run page {ui['flow_run_page_s']} s, Task Runs tab {ui['task_runs_tab_s']} s, once the "
                     f"server had caught up ({ui['caught_up_s']} s after the run); `{ui['screenshot']}`"))
