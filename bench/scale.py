@@ -135,7 +135,9 @@ def measure(kind: str, n: int, ui: bool = False, job: Job | None = None) -> dict
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)
         if process.returncode != 0 or not out.exists():
             say(f"scale: {kind} {n:,}: exit {process.returncode}: {stderr.strip().splitlines()[-1:]}")
-            return {"kind": kind, "n": n, "right": False, "error": f"exit code {process.returncode}"}
+            return {"kind": kind, "n": n, "right": False, "error": f"exit code {process.returncode}",
+                    "database": database, **({"job": job.says()} if job else {}), "peak_rss_mib": sampler.peak_mib(),
+                    **({"status_s": probe.figures()} if probe is not None else {})}  # what it measured, kept
         flow = json.loads(out.read_text())
     row = {"kind": kind, "n": n, "database": database, **({"job": job.says()} if job else {}), "right": flow["right"],
            "seconds": flow["seconds"], "run_seconds": round(wall, 1), "trials_per_s": round(n / flow["seconds"], 1),

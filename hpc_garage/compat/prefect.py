@@ -225,11 +225,13 @@ def unconfirmed_events(service: type) -> list[Any]:
 @uses("prefect", "prefect.concurrency.services.ConcurrencySlotAcquisitionWithLeaseService.acquire / "
                  "_create_empty_limits_response / _should_use_cache / _no_limits_cache / _cache_lock")
 def tag_limits_survive_outages(is_outage: Callable[[BaseException], bool], answers: Callable[[], bool],
-                               warn: Callable[[str], None], bypassed: Callable[[], bool] = lambda: False) -> bool:
+                               warn: Callable[[str], None], bypassed: Callable[[], bool] = lambda: False,
+                               patience: float = 600.0) -> bool:
     """Before every tagged task Prefect asks the API for the tags' concurrency slots; an unreachable or
     overloaded API then fails the trial before its function runs (seen: a 503 left a trial Pending and
     failed the flow). Where this process already saw those tags limit-free, the last answer stands while the
-    API does not answer (a limit created meanwhile cannot be known anyway); otherwise Prefect's error stands.
+    API does not answer (a limit created meanwhile cannot be known anyway); otherwise the trial waits for the
+    API's answer, asking again for up to `patience` seconds, and Prefect's error stands only after that.
     Fallback where the names are gone: False, Prefect's own behaviour. `bypassed()` true (the bench's switch):
     Prefect's own acquire, straight through."""
     from prefect.concurrency import services
@@ -261,16 +263,23 @@ def tag_limits_survive_outages(is_outage: Callable[[BaseException], bool], answe
                      "trials run on that answer")
             down[0] = True
             return services._create_empty_limits_response()
+
+        def ask() -> Any:
+            return own(self, slots, mode, timeout_seconds, max_retries, lease_duration, strict, holder)
+
         try:
-            response = await own(self, slots, mode, timeout_seconds, max_retries, lease_duration, strict, holder)
+            response = await ask()
         except Exception as exc:
-            if not (known_free and is_outage(exc)):
+            if not is_outage(exc):
                 raise
             if not down[0]:
-                warn(f"Prefect's API does not answer ({type(exc).__name__}); tags {sorted(names)} were limit-free "
-                     "when last asked, and the trial runs on that answer")
+                warn(f"Prefect's API does not answer ({type(exc).__name__}); tags {sorted(names)} " + (
+                    "were limit-free when last asked, and the trial runs on that answer" if known_free else
+                    f"were not yet seen limit-free here, so the trial waits for its answer (<= {patience:g} s)"))
             down[0] = True
-            return services._create_empty_limits_response()
+            if known_free:
+                return services._create_empty_limits_response()
+            response = await _asked_again(ask, is_outage, patience)  # whether they have limits is Prefect's to say
         down[0] = False
         try:
             if not response.json().get("limits"):
@@ -283,3 +292,21 @@ def tag_limits_survive_outages(is_outage: Callable[[BaseException], bool], answe
     cls.acquire = acquire
     cls._hpc_garage_survives = True
     return True
+
+
+async def _asked_again(ask: Callable[[], Any], is_outage: Callable[[BaseException], bool], patience: float,
+                       first: float = 1.0) -> Any:
+    """Ask again, backing off, while the API is busy or unreachable (Prefect's client has retried already: a
+    503 from a server whose database is busy outlasted its retries in a 2-node, 16-thread job): the trial waits
+    for the answer instead of failing before it starts, for `patience` seconds at most."""
+    import time
+
+    deadline, delay = time.monotonic() + patience, first
+    while True:
+        await asyncio.sleep(delay)
+        try:
+            return await ask()
+        except Exception as exc:
+            delay = min(2 * delay, 30.0)
+            if not is_outage(exc) or time.monotonic() + delay > deadline:
+                raise
