@@ -194,7 +194,7 @@ def by_task_run(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
 def trial_curves(view: Any, report: dict[str, Any]) -> dict[str, list[tuple[float, float]]]:
     """Each reporting trial's points of the report's metric (`view`: the job's JobView), for `plot`."""
     from hpc_garage.cluster.trial_metrics import curves
-    from hpc_garage.rundir import REPORT_FILE, RunDir, since_submission
+    from hpc_garage.rundir import REPORT_FILE, RunDir
     from hpc_garage.schedulers.submission import run_dir_of
 
     run_dir = run_dir_of(view, REPORT_FILE)
