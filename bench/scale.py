@@ -101,8 +101,9 @@ def measure(kind: str, n: int, ui: bool = False, job: Job | None = None) -> dict
     submit); with `ui`, the flow run's page in chromium once the run has ended (bench/ui_at_size.py)."""
     from hpc_garage.prefect.server.postgres import database_choice
 
-    database = database_choice(os.environ).label()  # HPC_GARAGE_PREFECT_DATABASE, as `run` reads it
-    say(f"scale: {kind}, {n:,} trials" + (f", Prefect's database {database}" if kind == "hpc-garage" else ""))
+    database = database_choice(os.environ)  # HPC_GARAGE_PREFECT_DATABASE, as `run` reads it
+    said = {"kind": kind, "n": n, "database": database.label(), **({"job": job.says()} if job else {})}
+    say(f"scale: {kind}, {n:,} trials" + (f", Prefect's database {database.label()}" if kind == "hpc-garage" else ""))
     with tempfile.TemporaryDirectory(prefix="hpc-garage-bench-scale-") as home:
         out = Path(home) / "flow.json"
         env = {**os.environ, "HOME": home, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
@@ -125,7 +126,7 @@ def measure(kind: str, n: int, ui: bool = False, job: Job | None = None) -> dict
             sampler.stop()  # the row's figures end with the run, before any browsing
             if probe is not None:
                 probe.stop()
-            seen = browse_run(env, n) if ui and process.returncode == 0 else {}
+            seen = browse_run(env, n, database.kind) if ui and process.returncode == 0 else {}
         finally:
             sampler.stop()
             if probe is not None:
@@ -133,19 +134,16 @@ def measure(kind: str, n: int, ui: bool = False, job: Job | None = None) -> dict
             process.kill()  # interrupted: nothing of this row outlives it (the server, below)
             subprocess.run([str(BIN / "hpc-garage"), "server", "stop", "--force"], env=env, cwd=home,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)
+        measured = {"peak_rss_mib": sampler.peak_mib(),
+                    **({"status_s": probe.figures()} if probe is not None else {})}
         if process.returncode != 0 or not out.exists():
             say(f"scale: {kind} {n:,}: exit {process.returncode}: {stderr.strip().splitlines()[-1:]}")
-            return {"kind": kind, "n": n, "right": False, "error": f"exit code {process.returncode}",
-                    "database": database, **({"job": job.says()} if job else {}), "peak_rss_mib": sampler.peak_mib(),
-                    **({"status_s": probe.figures()} if probe is not None else {})}  # what it measured, kept
+            return {**said, "right": False, "error": f"exit code {process.returncode}", **measured}  # kept
         flow = json.loads(out.read_text())
-    row = {"kind": kind, "n": n, "database": database, **({"job": job.says()} if job else {}), "right": flow["right"],
-           "seconds": flow["seconds"], "run_seconds": round(wall, 1), "trials_per_s": round(n / flow["seconds"], 1),
-           **per_thousand(flow["ends"], n),
-           "peak_rss_mib": sampler.peak_mib(), "server_cpu_ms_per_trial": sampler.server_cpu_ms(n),
-           "cores_start_end": sampler.cores_by_kind(),
-           **{k: flow[k] for k in ("limit", "peak_in_flight", "released") if k in flow},
-           **({"status_s": probe.figures()} if probe is not None else {}), **seen}
+    row = {**said, "right": flow["right"], "seconds": flow["seconds"], "run_seconds": round(wall, 1),
+           "trials_per_s": round(n / flow["seconds"], 1), **per_thousand(flow["ends"], n), **measured,
+           "server_cpu_ms_per_trial": sampler.server_cpu_ms(n), "cores_start_end": sampler.cores_by_kind(),
+           **{k: flow[k] for k in ("limit", "peak_in_flight", "released") if k in flow}, **seen}
     say(f"scale: {kind} {n:,}: {row['trials_per_s']} trials/s, per 1,000 {row['per_1000_start_s']} s → "
         f"{row['per_1000_end_s']} s, RSS {row['peak_rss_mib']} MiB, server {row['server_cpu_ms_per_trial']} ms/trial"
         + "".join(f", `status{' JOBID' if what == 'job' else ''}` median {statistics.median(xs):.2f} s, max "
@@ -153,16 +151,16 @@ def measure(kind: str, n: int, ui: bool = False, job: Job | None = None) -> dict
     return row
 
 
-def browse_run(env: dict[str, str], n: int) -> dict[str, Any]:
-    """The run's flow run in chromium, its server still up: seconds to its page and its Task Runs tab."""
+def browse_run(env: dict[str, str], n: int, database: str) -> dict[str, Any]:
+    """The run's flow run in chromium, its server (on `database`: sqlite, postgresql) still up: seconds to its
+    page and its Task Runs tab."""
     from bench.concurrent_sweeps import _post
-    from hpc_garage.prefect.server.postgres import database_choice
     from bench.ui_at_size import browse, caught_up, managed_api
 
     try:
         api = managed_api(env)
         flow_run = _post(api, "/flow_runs/filter", {"limit": 1})[0]["id"]
-        shot = Path("bench") / "results" / f"ui-scale-{database_choice(env).kind}-{n}.png"
+        shot = Path("bench") / "results" / f"ui-scale-{database}-{n}.png"
         return {"ui": {"caught_up_s": caught_up(env)} | browse(api, flow_run, ROOT / shot) | {"screenshot": str(shot)}}
     except Exception as exc:  # noqa: BLE001 - a bench: the failure is the result
         return {"ui": {"error": f"{type(exc).__name__}: {exc}"[:500]}}

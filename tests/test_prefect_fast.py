@@ -113,12 +113,13 @@ def test_settings_of_an_active_profile_are_hashed_on_every_verified_prefect() ->
         {"PREFECT_API_URL": 1, "a": [{"PREFECT_API_URL": 2}]}
 
 
-@pytest.mark.parametrize("busy_for", [2, 99])
+@pytest.mark.parametrize(("busy_for", "up"), [(2, True), (99, True), (2, False)])
 def test_a_busy_api_delays_a_trial_whose_tags_this_process_has_not_seen_and_does_not_fail_it(
-        monkeypatch, busy_for: int) -> None:  # noqa: ANN001
+        monkeypatch, busy_for: int, up: bool) -> None:  # noqa: ANN001
     """Seen in a 2-node job of 100,000 trials (16 threads, one SQLite server): the API answered 503 past
     Prefect's client's own retries to a worker that had no answer yet for the trials' tags, and 3 trials
-    failed before they ran. Now the trial asks again, backing off, for up to `patience` seconds."""
+    failed before they ran. Now, while the API is up (its /health answers), the trial asks again, backing off,
+    for up to `patience` seconds; an API that is down fails it at once, as before (nothing to wait for)."""
     import uuid
 
     import anyio
@@ -143,14 +144,18 @@ def test_a_busy_api_delays_a_trial_whose_tags_this_process_has_not_seen_and_does
     monkeypatch.setattr(cls, "acquire", own)  # Prefect's, as the API would answer it; restored after
     monkeypatch.setattr(cls, "_hpc_garage_survives", False, raising=False)
     said: list[str] = []
-    assert compat.tag_limits_survive_outages(is_outage_error, lambda: True, said.append, patience=4.0) is True
+    assert compat.tag_limits_survive_outages(is_outage_error, lambda: up, said.append, patience=4.0) is True
     service = cls.instance(frozenset(["tag:busy-test"]))
     holder = ConcurrencyLeaseHolder(type="task_run", id=uuid.uuid4())
 
     async def acquire() -> httpx.Response:
         return await cls.acquire(service, 1, "concurrency", None, None, 60, False, holder)
 
-    if busy_for == 2:  # asked three times, 1 s then 2 s apart: the answer, and the trial runs
+    if not up:  # down: Prefect's error at once, the trial not held
+        with pytest.raises(httpx.HTTPStatusError):
+            anyio.run(acquire)
+        assert len(asked) == 1 and said == []
+    elif busy_for == 2:  # asked three times, 1 s then 2 s apart: the answer, and the trial runs
         assert anyio.run(acquire).json()["limits"] == [] and len(asked) == 3
         assert [round(b - a) for a, b in zip(asked, asked[1:])] == [1, 2]
         assert said and "the trial waits for its answer (<= 4 s)" in said[0]

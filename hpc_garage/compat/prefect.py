@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -230,8 +231,9 @@ def tag_limits_survive_outages(is_outage: Callable[[BaseException], bool], answe
     """Before every tagged task Prefect asks the API for the tags' concurrency slots; an unreachable or
     overloaded API then fails the trial before its function runs (seen: a 503 left a trial Pending and
     failed the flow). Where this process already saw those tags limit-free, the last answer stands while the
-    API does not answer (a limit created meanwhile cannot be known anyway); otherwise the trial waits for the
-    API's answer, asking again for up to `patience` seconds, and Prefect's error stands only after that.
+    API does not answer (a limit created meanwhile cannot be known anyway); otherwise, while the API is up but
+    too busy to answer (its /health answers), the trial waits, asking again for up to `patience` seconds, and
+    where it is down Prefect's error stands at once, as before.
     Fallback where the names are gone: False, Prefect's own behaviour. `bypassed()` true (the bench's switch):
     Prefect's own acquire, straight through."""
     from prefect.concurrency import services
@@ -270,16 +272,17 @@ def tag_limits_survive_outages(is_outage: Callable[[BaseException], bool], answe
         try:
             response = await ask()
         except Exception as exc:
-            if not is_outage(exc):
-                raise
+            if not is_outage(exc) or not known_free and not await asyncio.to_thread(answers):
+                raise  # nothing known of these tags and no API to wait for: Prefect's error stands, at once
             if not down[0]:
                 warn(f"Prefect's API does not answer ({type(exc).__name__}); tags {sorted(names)} " + (
                     "were limit-free when last asked, and the trial runs on that answer" if known_free else
-                    f"were not yet seen limit-free here, so the trial waits for its answer (<= {patience:g} s)"))
+                    f"were not yet seen limit-free here and it is up, so the trial waits for its answer (<= "
+                    f"{patience:g} s)"))
             down[0] = True
             if known_free:
                 return services._create_empty_limits_response()
-            response = await _asked_again(ask, is_outage, patience)  # whether they have limits is Prefect's to say
+            response = await _asked_again(ask, lambda e: is_outage(e) and answers(), patience)  # Prefect's to say
         down[0] = False
         try:
             if not response.json().get("limits"):
@@ -294,13 +297,11 @@ def tag_limits_survive_outages(is_outage: Callable[[BaseException], bool], answe
     return True
 
 
-async def _asked_again(ask: Callable[[], Any], is_outage: Callable[[BaseException], bool], patience: float,
+async def _asked_again(ask: Callable[[], Any], busy: Callable[[BaseException], bool], patience: float,
                        first: float = 1.0) -> Any:
-    """Ask again, backing off, while the API is busy or unreachable (Prefect's client has retried already: a
-    503 from a server whose database is busy outlasted its retries in a 2-node, 16-thread job): the trial waits
+    """Ask again, backing off, while the API is up but busy (`busy(error)`; Prefect's client has retried already:
+    a 503 from a server whose database is busy outlasted its retries in a 2-node, 16-thread job): the trial waits
     for the answer instead of failing before it starts, for `patience` seconds at most."""
-    import time
-
     deadline, delay = time.monotonic() + patience, first
     while True:
         await asyncio.sleep(delay)
@@ -308,5 +309,5 @@ async def _asked_again(ask: Callable[[], Any], is_outage: Callable[[BaseExceptio
             return await ask()
         except Exception as exc:
             delay = min(2 * delay, 30.0)
-            if not is_outage(exc) or time.monotonic() + delay > deadline:
+            if time.monotonic() + delay > deadline or not await asyncio.to_thread(busy, exc):
                 raise

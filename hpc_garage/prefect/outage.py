@@ -25,8 +25,8 @@ connect or times out; a busy server's 503 is an answer):
   not written and where they were kept (the run directory's `unrecorded.json` sums it up);
 - worker side: a trial's tag-concurrency check (Prefect asks the API before every task whose tags it has not
   seen limit-free within a minute) uses the last answer this process got for those tags when the API does not
-  answer, instead of failing the trial; where it has no answer yet for them, the trial waits for one, asking
-  again for up to 10 minutes (`tag_limits_survive_outages`).
+  answer, instead of failing the trial; where it has no answer yet for them and the API is up but busy, the
+  trial waits for one, asking again for up to 10 minutes (`tag_limits_survive_outages`).
 Outside `hpc-garage run` (no run directory) the queued records are dropped, as before, and the log says so.
 """
 
