@@ -162,16 +162,17 @@ def _extra(name: str, section: dict[str, Any]) -> list[str]:
         out.append("")
     if name == "scale" and section.get("rows"):  # issue 32: each size and contender, one line
         out += ["", "| contender | trials | trials/s | per 1,000 at start → end | peak RSS MiB | server CPU/trial |"
-                " cores busy, first → last tenth |", "|---|---|---|---|---|---|---|"]
+                " database on disk | cores busy, first → last tenth |", "|---|---|---|---|---|---|---|---|"]
         for r in section["rows"]:
             if "error" in r:
-                out.append(f"| {r['kind']} | {r['n']:,} | failed: {r['error']} | | | | |")
+                out.append(f"| {r['kind']} | {r['n']:,} | failed: {r['error']} | | | | | |")
                 continue
             rss = ", ".join(f"{k} {v:,}" for k, v in r["peak_rss_mib"].items())
             server = "–" if r.get("server_cpu_ms_per_trial") is None else f"{r['server_cpu_ms_per_trial']:.1f} ms"
             cores = ", ".join(f"{k} {v}" for k, v in r.get("cores_start_end", {}).items()) or "–"
+            disk = "–" if r.get("database_mib") is None else f"{r['database_mib']:,.0f} MiB"
             out.append(f"| {r['kind']} | {r['n']:,} | {r['trials_per_s']:.1f} | {r['per_1000_start_s']} s → "
-                       f"{r['per_1000_end_s']} s | {rss} | {server} | {cores} |")
+                       f"{r['per_1000_end_s']} s | {rss} | {server} | {disk} | {cores} |")
         out.append("")
         for r in section["rows"]:
             if ui := r.get("ui"):

@@ -13,7 +13,8 @@ trials/s (the flow's first submission to its last result read), the time per 1,0
 1,000: the first includes the workers' first imports) and at the end (the last 1,000), from the trials' own end
 times; peak RSS summed by process kind (the scheduler = `run`'s process, the flow, the workers, the Prefect server
 and its database) sampled every second; the server's CPU per trial over the flow's life; and how long
-`hpc-garage status` and `hpc-garage status JOBID` take while the run runs (every 10 s, a fresh CLI each time).
+`hpc-garage status` and `hpc-garage status JOBID` take while the run runs (every 10 s, a fresh CLI each time);
+and the server's database on disk once the server has stopped (issue 32: how it grows per 100,000 trials).
 With --site (hpc-garage's row only), the same flow is a batch job: `hpc-garage submit --site SITE -N NODES --wait
 bench/scale_flow.py N ...` on the local SLURM, its processes (each node's, on this one host) sampled the same way.
 """
@@ -134,7 +135,7 @@ def measure(kind: str, n: int, ui: bool = False, job: Job | None = None) -> dict
             process.kill()  # interrupted: nothing of this row outlives it (the server, below)
             subprocess.run([str(BIN / "hpc-garage"), "server", "stop", "--force"], env=env, cwd=home,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)
-        measured = {"peak_rss_mib": sampler.peak_mib(),
+        measured = {"peak_rss_mib": sampler.peak_mib(), "database_mib": database_mib(Path(home)),
                     **({"status_s": probe.figures()} if probe is not None else {})}
         if process.returncode != 0 or not out.exists():
             say(f"scale: {kind} {n:,}: exit {process.returncode}: {stderr.strip().splitlines()[-1:]}")
@@ -145,7 +146,8 @@ def measure(kind: str, n: int, ui: bool = False, job: Job | None = None) -> dict
            "server_cpu_ms_per_trial": sampler.server_cpu_ms(n), "cores_start_end": sampler.cores_by_kind(),
            **{k: flow[k] for k in ("limit", "peak_in_flight", "released") if k in flow}, **seen}
     say(f"scale: {kind} {n:,}: {row['trials_per_s']} trials/s, per 1,000 {row['per_1000_start_s']} s → "
-        f"{row['per_1000_end_s']} s, RSS {row['peak_rss_mib']} MiB, server {row['server_cpu_ms_per_trial']} ms/trial"
+        f"{row['per_1000_end_s']} s, RSS {row['peak_rss_mib']} MiB, server {row['server_cpu_ms_per_trial']} ms/trial, "
+        f"database {row['database_mib']} MiB on disk"
         + "".join(f", `status{' JOBID' if what == 'job' else ''}` median {statistics.median(xs):.2f} s, max "
                   f"{max(xs):.2f} s" for what, xs in (row.get("status_s") or {}).items()))
     return row
@@ -164,6 +166,16 @@ def browse_run(env: dict[str, str], n: int, database: str) -> dict[str, Any]:
         return {"ui": {"caught_up_s": caught_up(env)} | browse(api, flow_run, ROOT / shot) | {"screenshot": str(shot)}}
     except Exception as exc:  # noqa: BLE001 - a bench: the failure is the result
         return {"ui": {"error": f"{type(exc).__name__}: {exc}"[:500]}}
+
+
+def database_mib(home: Path) -> float | None:
+    """The server's database on disk under `home` (its server stopped): SQLite's prefect.db with its -wal and -shm
+    files, or the PostgreSQL data directory (the one holding PG_VERSION nearest the top). None: neither found."""
+    state = home / ".hpc-garage" / "prefect"
+    files = list(state.glob("*/home/prefect.db*"))
+    if marks := sorted(state.rglob("PG_VERSION"), key=lambda p: len(p.parts)):
+        files += [p for p in marks[0].parent.rglob("*") if p.is_file()]
+    return round(sum(p.stat().st_size for p in files) / 2**20, 1) if files else None
 
 
 def per_thousand(ends: list[float], n: int) -> dict[str, float | None]:

@@ -289,5 +289,7 @@ def compact(state: Any) -> Any:
     from prefect.results import ResultRecord
 
     if _is_state(state) and state.is_completed() and isinstance(state.data, ResultRecord):
-        return state.model_copy(update={"data": state.data.metadata})
+        # the same State, its data replaced: State.model_copy resets `timestamp`, and on Prefect 3.9.1 to
+        # PydanticUndefined (the field's default factory is not called), which serializes as garbage
+        return state.model_copy(update={"data": state.data.metadata, "timestamp": state.timestamp})
     return state
