@@ -80,6 +80,8 @@ def test_scheduler_counts_done_running_failed_waiting_and_busy_gpus(monkeypatch:
                 trials = {t["key"]: t for t in record["trials"]}
                 assert trials["bad"]["failed"] and trials["prefect-failed"]["failed"] and not trials["t-0"]["failed"]
                 assert all(0.95 < trials[f"t-{i}"]["stop"] - trials[f"t-{i}"]["start"] < 1.5 for i in range(3))
+                # a finished trial leaves its record only (a 300,000-trial sweep's scheduler holds 300,000)
+                assert not progress.pending and not progress.sampled, (progress.pending, progress.sampled)
 
     asyncio.run(main())
 

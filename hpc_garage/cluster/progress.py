@@ -64,8 +64,9 @@ class WorkerRecord:
     gpu_ids: list[str] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(slots=True)
 class TrialRecord:
+    """One finished trial, kept until the report (a sweep's every trial: small, slots, no per-trial dicts)."""
     key: str
     worker: str
     start: float
@@ -73,6 +74,14 @@ class TrialRecord:
     failed: bool
     asked_gpu: bool
     interrupted: bool = False  # it raised hpc_garage.trial.Interrupted: saved, not done (not failed)
+    gpu: dict[str, Any] | None = None  # what the worker's sampler measured on its GPUs (gpu_* figures)
+
+    def sampled(self, msg: dict[str, Any]) -> None:
+        """Take what the worker's sampler said: its own timing, a Prefect Failed state, the GPU figures."""
+        if "stop" in msg:
+            self.start, self.stop = float(msg["start"]), float(msg["stop"])
+        self.failed = self.failed or bool(msg.get("failed"))
+        self.gpu = {k: v for k, v in msg.items() if k.startswith("gpu")} or None
 
 
 def _interrupted(ts: Any) -> bool:
@@ -109,10 +118,11 @@ class RunProgress(SchedulerPlugin):
         self.scheduler: Any = None
         self.started = time.time()
         self.first_task: float | None = None
-        self.known: dict[str, None] = {}  # ordered: the newest last
+        self.pending: set[str] = set()  # known to the scheduler, not finished (bounded by the work in flight)
         self.most_known = 0  # the most trials known at once: a COMMAND stopped mid-sweep forgets the rest
         self.trials: dict[str, TrialRecord] = {}
-        self.sampled: dict[str, dict[str, Any]] = {}  # key → the worker's sampler event
+        self.failed_count = self.interrupted_count = 0  # of self.trials, counted as they come (not per tick)
+        self.sampled: dict[str, dict[str, Any]] = {}  # key → the worker's sampler event, until its record comes
         self.workers: dict[str, WorkerRecord] = {}  # by address
         self.flow_runs: list[str] = []
         self.interrupted: list[dict[str, Any]] = []  # trials the job's end interrupted (cluster/wind_down.py)
@@ -149,12 +159,11 @@ class RunProgress(SchedulerPlugin):
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
         name = str(key)
         if finish == "forgotten":
-            if name not in self.trials:
-                self.known.pop(name, None)  # cancelled before it ran
+            self.pending.discard(name)  # cancelled before it ran (a finished one is no longer pending)
             return
-        if name not in self.known:
-            self.known[name] = None
-            self.most_known = max(self.most_known, len(self.known))
+        if name not in self.pending and name not in self.trials:
+            self.pending.add(name)
+            self.most_known = max(self.most_known, len(self.trials) + len(self.pending))
             if self.first_task is None:
                 self.first_task = time.time()
         if start != "processing" or finish not in ("memory", "erred"):
@@ -164,16 +173,32 @@ class RunProgress(SchedulerPlugin):
         ts = self.scheduler.tasks.get(key) if self.scheduler else None
         if not compute or ws is None:
             return
-        self.trials[name] = TrialRecord(
+        record = TrialRecord(
             key=name, worker=str(ws.name), start=float(compute[0]["start"]), stop=float(compute[-1]["stop"]),
             failed=finish == "erred" and not _interrupted(ts), interrupted=finish == "erred" and _interrupted(ts),
             asked_gpu=bool(ts is not None and (ts.resource_restrictions or {}).get("GPU")))
+        if (msg := self.sampled.pop(name, None)) is not None:
+            record.sampled(msg)
+        if (old := self.trials.get(name)) is not None:  # computed again (a lost worker's result): counted once
+            self._count(old, -1)
+        self.trials[name] = record
+        self.pending.discard(name)
+        self._count(record, 1)
+
+    def _count(self, record: TrialRecord, sign: int) -> None:
+        self.failed_count += sign * record.failed
+        self.interrupted_count += sign * record.interrupted
 
     def log_event(self, topic: str, msg: Any) -> None:
         if topic != TOPIC or not isinstance(msg, dict):
             return
         if "key" in msg:
-            self.sampled[str(msg["key"])] = msg
+            if (record := self.trials.get(key := str(msg["key"]))) is None:
+                self.sampled[key] = msg  # its record comes with the scheduler's transition
+            else:
+                self._count(record, -1)
+                record.sampled(msg)
+                self._count(record, 1)
         elif msg.get("gpus") and (record := self.workers.get(msg.get("worker"))) is not None:
             record.gpu_ids = [str(g) for g in msg["gpus"]]  # a sampler starting (the scheduler adds "worker")
 
@@ -197,14 +222,13 @@ class RunProgress(SchedulerPlugin):
         """What state.json's "progress" holds: counts, GPUs, times, and where to look."""
         s = self.scheduler
         now = time.time()
-        failed = sum(1 for t in self.trials.values() if t.failed or self.sampled.get(t.key, {}).get("failed"))
-        interrupted = sum(1 for t in self.trials.values() if t.interrupted)
+        failed, interrupted = self.failed_count, self.interrupted_count
         done = len(self.trials) - failed - interrupted
         running = sum(1 for ws in s.workers.values() for ts in ws.executing
                       if ts.state == "processing" and ts.processing_on is ws)
         busy_gpus = sum(float(ws.resources.get("GPU", 0)) for ws in s.workers.values()
                         if ws.resources.get("GPU") and any(ts.state == "processing" for ts in ws.executing))
-        waiting = max(len(self.known) - len(self.trials) - running, 0)
+        waiting = max(len(self.pending) - running, 0)
         eta = None
         if self.first_task is not None and len(self.trials) and (waiting or running):
             rate = len(self.trials) / max(now - self.first_task, 1e-6)
@@ -292,13 +316,9 @@ class RunProgress(SchedulerPlugin):
         ended = time.time() if ended is None else ended
         trials = []
         for t in sorted(self.trials.values(), key=lambda t: t.start):
-            sampled = self.sampled.get(t.key, {})
-            start, stop = (sampled["start"], sampled["stop"]) if "stop" in sampled else (t.start, t.stop)
-            trial = {"key": t.key, "worker": t.worker, "start": start, "stop": stop,
-                     "failed": t.failed or bool(sampled.get("failed")), "asked_gpu": t.asked_gpu,
-                     **({"interrupted": True} if t.interrupted else {})}
-            trial |= {k: v for k, v in sampled.items() if k.startswith("gpu")}
-            trials.append(trial)
+            trials.append({"key": t.key, "worker": t.worker, "start": t.start, "stop": t.stop, "failed": t.failed,
+                           "asked_gpu": t.asked_gpu, **({"interrupted": True} if t.interrupted else {}),
+                           **(t.gpu or {})})
         return {"started": self.started, "ended": ended,
                 "workers": [{"name": w.name, "gpus": w.gpus, "gpu_ids": w.gpu_ids, "nthreads": w.nthreads,
                              "memory_limit": w.memory_limit, "memory_peak": w.memory_peak, "joined": w.joined,
