@@ -6,6 +6,7 @@ import asyncio
 import re
 import tomllib
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -232,3 +233,26 @@ def test_a_heartbeat_that_fails_as_its_worker_closes_is_one_info_line_and_one_th
     assert closing.levelno == logging.INFO and closing.exc_info is None
     assert closing.getMessage() == HEARTBEAT_FAILED + "."
     assert WORKER_SETUP in dask_worker_preload() and list(in_workers.values()) == [True]
+
+
+def test_trim_span_metadata_keeps_each_kind_once_on_a_real_scheduler() -> None:
+    """distributed keeps a `{"type": "Future"}` per `Client.submit` in its span's metadata: a sweep's every
+    trial, in the scheduler, for its life. trim_span_metadata leaves one of each kind."""
+    from distributed import Client, Scheduler, Worker
+
+    from hpc_garage.compat import trim_span_metadata
+
+    def held(scheduler: Any) -> list[dict[str, Any]]:
+        return [c for span in scheduler.extensions["spans"].spans.values()
+                for c in (span._metadata or {}).get("collections", [])]
+
+    async def main() -> None:
+        async with Scheduler(port=0, dashboard_address=":0") as s, Worker(s.address, nthreads=1), \
+                Client(s.address, asynchronous=True) as c:
+            await c.gather([c.submit(int, i, pure=False) for i in range(200)])
+            assert len(held(s)) == 200  # what distributed does: the reason for the trim
+            assert trim_span_metadata(s) == 199 and held(s) == [{"type": "Future"}]
+            await c.gather([c.submit(int, i, pure=False) for i in range(5)])
+            assert trim_span_metadata(s) == 5 and held(s) == [{"type": "Future"}]
+
+    asyncio.run(main())

@@ -149,14 +149,18 @@ def test_a_downstream_materialization_names_its_upstream_asset(runner: HpcTaskRu
     @flow(task_runner=runner)
     def pipeline() -> tuple[Any, Any]:
         raw = extract.submit()
+        plain = trial.map(range(2))  # no assets: nothing kept for them (a 300,000-trial flow kept 300,000)
         clean = transform.submit(raw)
         clean.wait()
+        plain.wait()
         submitter = FlowRunContext.get().task_runner._submitter  # None: not yet decided; False: prefect-dask's
-        return clean.state.type.value, submitter not in (None, False)
+        noted = dict(FlowRunContext.get().task_run_assets)
+        return clean.state.type.value, submitter not in (None, False), noted, raw.task_run_id
 
     state = pipeline(return_state=True)
-    outcome, fast = state.result()
+    outcome, fast, noted, raw_id = state.result()
     assert outcome == "COMPLETED" and fast  # the fast path ran it, not prefect-dask's own
+    assert raw_id in noted and all(noted.values()), noted  # the upstream asset kept; no empty set kept
     events = asset_events(state.state_details.flow_run_id, expected=3)
     made = {e["resource"]["prefect.resource.id"]: e for e in events
             if e["event"] == "prefect.asset.materialization.succeeded"}

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from hpc_garage.cluster.report import TASK_RUN_ID
+from hpc_garage.compat import trim_span_metadata
 from hpc_garage.cluster.trial_metrics import Watch
 from hpc_garage.launchers.gpu_sampler import NAME as SAMPLER_NAME, TOPIC, TrialSampler
 from hpc_garage.prefect_api import PrefectApi
@@ -208,6 +209,7 @@ class RunProgress(SchedulerPlugin):
         self._read_memory()
         self.ticks += 1
         if self.ticks % round(PROGRESS_SECONDS / TICK_SECONDS) == 0:
+            trim_span_metadata(self.scheduler)  # else the scheduler keeps a dict per trial submitted
             self.known_flow_runs()
             self._find_flow_run()
             with contextlib.suppress(OSError):

@@ -20,7 +20,7 @@ from hpc_garage.compat.versions import (USES, VERIFIED, CompatError, Use, at_lea
 from hpc_garage.compat.distributed import (attached_spec_cluster, correct_state, executing_now, hold_pause,
                                            quiet_expected_closes,
                                            pause_workers, replace_valid_workers, run_on_workers, scheduler_at,
-                                           skip_forkserver_optional_preload)
+                                           skip_forkserver_optional_preload, trim_span_metadata)
 from hpc_garage.compat.dask_jobqueue import hooked_job
 from hpc_garage.compat.prefect import (answer_cached_tag_limits_in_thread, before_exit_drains, cache_policy_unset,
                                        context_var, deployment_context, has_context_vars, has_deployment_context,
@@ -36,4 +36,4 @@ __all__ = ["USES", "VERIFIED", "CompatError", "Use", "answer_cached_tag_limits_i
            "keep_flow_states", "main", "newest_release", "pause_workers", "quiet_expected_closes", "queued_log", "rebuild_context_models",
            "registry_releases", "release_future", "release_news", "releasing_future_class", "replace_valid_workers", "run_on_workers", "runner_has_cluster",
            "runner_started", "scheduler_at", "skip_forkserver_optional_preload", "stretch_no_tag_limits_cache",
-           "tag_limits_survive_outages", "take_queued", "unconfirmed_events", "uses", "uses_outside_range", "version"]
+           "tag_limits_survive_outages", "take_queued", "trim_span_metadata", "unconfirmed_events", "uses", "uses_outside_range", "version"]
