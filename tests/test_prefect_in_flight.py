@@ -375,17 +375,21 @@ def test_a_sweep_stays_within_its_bound_and_every_trial_is_a_task_run(
     from prefect.context import FlowRunContext
 
     import hpc_garage
+    from hpc_garage.cluster.handoff import ANNOUNCED
     from hpc_garage.variables import RESULTS_ENV, SWEEP_ENV
 
     monkeypatch.setenv(SWEEP_ENV, "in-flight-test@1")  # as `hpc-garage run` exports them
     monkeypatch.setenv(RESULTS_ENV, str(tmp_path))
     n, limit = 2000, 20
-    seen = {"unfinished": 0, "held": 0}
+    seen = {"unfinished": 0, "held": 0, "announced": 0}
     stop = threading.Event()
 
     def sample() -> None:
         with Client(cluster.scheduler_address) as client:
+            before = sum(client.get_metadata(list(ANNOUNCED), default={}).values())  # other tests' runners
             while not stop.is_set():
+                told = sum(client.get_metadata(list(ANNOUNCED), default={}).values()) - before
+                seen["announced"] = max(seen["announced"], told)
                 unfinished, held = client.run_on_scheduler(lambda dask_scheduler: (
                     sum(ts.state not in ("memory", "released", "forgotten", "erred")
                         for ts in dask_scheduler.tasks.values()), len(dask_scheduler.tasks)))
@@ -414,6 +418,7 @@ def test_a_sweep_stays_within_its_bound_and_every_trial_is_a_task_run(
         sampler.join(10)
     assert values == [2 * i for i in range(n)]
     assert peak == limit and seen["unfinished"] <= limit, seen
+    assert seen["announced"] == n, seen  # the scheduler heard the map's length: `status` counts the held-back rest
     assert released >= n - in_flight.BATCH  # finished trials left Dask (the last batch may still be on its way)
     assert seen["held"] <= limit + in_flight.BATCH < n, seen  # not every trial at once: what was in flight
     # Prefect's server writes task runs from their events, in its own time: under load it may still be some
@@ -459,3 +464,22 @@ def test_result_and_callbacks_of_a_future_released_while_it_is_read(tmp_path: An
     with pytest.raises(Exception, match="boom"):
         failed.result()
     assert failed.result(raise_on_failure=False) is not None
+
+
+def test_mapped_length_is_known_only_without_reading_anything() -> None:
+    from prefect.futures import PrefectFuture
+    from prefect.utilities.annotations import allow_failure, quote, unmapped
+
+    from hpc_garage.prefect.in_flight import mapped_length
+
+    class Future(PrefectFuture):  # a future's value: Prefect's map resolves it, its length is not known here
+        def __init__(self) -> None:
+            pass
+
+        wait = result = add_done_callback = None  # type: ignore[assignment]
+
+    assert mapped_length({"i": range(100_000), "lr": unmapped([1, 2])}) == 100_000
+    assert mapped_length({"x": quote([1, 2, 3])}) == 3 and mapped_length({"x": allow_failure([1])}) == 1
+    assert mapped_length({"data": Future(), "i": [4, 5]}) == 2
+    assert mapped_length({"i": (i for i in range(3))}) is None  # a generator: not read here
+    assert mapped_length({"data": Future()}) is None and mapped_length({"s": "abc", "n": 3}) is None

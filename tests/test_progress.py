@@ -50,6 +50,7 @@ async def until(check: Any, timeout: float = 20) -> None:
 def test_scheduler_counts_done_running_failed_waiting_and_busy_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     from distributed import Client, Scheduler, Worker
 
+    from hpc_garage.cluster.handoff import announce_trials
     from hpc_garage.cluster.progress import install
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2")  # the in-process worker's GPU id (no GPU: no NVML figures)
@@ -82,6 +83,16 @@ def test_scheduler_counts_done_running_failed_waiting_and_busy_gpus(monkeypatch:
                 assert all(0.95 < trials[f"t-{i}"]["stop"] - trials[f"t-{i}"]["start"] < 1.5 for i in range(3))
                 # a finished trial leaves its record only (a 300,000-trial sweep's scheduler holds 300,000)
                 assert not progress.pending and not progress.sampled, (progress.pending, progress.sampled)
+                # a flow's runner says how many trials its map holds back (status's total, waiting and ETA)
+                def announce() -> None:  # as the flow's runner does: its own, synchronous client
+                    with Client(s.address) as flow_client:
+                        announce_trials(flow_client, "runner-a", 12)
+                        announce_trials(flow_client, "runner-b", 1)
+
+                await asyncio.to_thread(announce)
+                await until(lambda: progress.figures()["total"] == 13)
+                told = progress.figures()
+                assert (told["done"], told["failed"], told["waiting"]) == (3, 2, 8) and told["eta"] > 0, told
 
     asyncio.run(main())
 

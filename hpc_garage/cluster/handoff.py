@@ -169,3 +169,25 @@ def handoff_from_env(env: Mapping[str, str] | None = None, timeout: float | None
     # under `run`, its job; else the batch job this process runs in: another job's file is refused
     expect = env.get(JOB_ID_ENV) or job_id(env)
     return Handoff.read(path, expect_job=expect, timeout=timeout, given_up=given_up)
+
+
+ANNOUNCED = ("hpc-garage", "announced")  # the scheduler's metadata: trials each flow's runner said it will submit
+
+
+def announce_trials(client: Any, runner: str, count: int) -> None:
+    """A flow's runner tells the scheduler how many trials it has been given so far (its maps' lengths): the
+    back-pressure holds most of a big map in the flow, where the scheduler's progress (`status`'s total, waiting
+    and ETA) would not see them. Bookkeeping: never fails the flow."""
+    try:
+        client.set_metadata([*ANNOUNCED, runner], int(count))
+    except Exception:  # noqa: BLE001 - a busy or closing scheduler: the progress counts what it sees
+        pass
+
+
+def announced_trials(scheduler: Any) -> int:
+    """The scheduler side: the trials every runner announced (announce_trials), 0 where none did."""
+    try:
+        said = scheduler.get_metadata(keys=list(ANNOUNCED), default={})
+    except Exception:  # noqa: BLE001 - never fails the progress
+        return 0
+    return sum(v for v in said.values() if isinstance(v, int)) if isinstance(said, dict) else 0

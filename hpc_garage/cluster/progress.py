@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
+from hpc_garage.cluster.handoff import announced_trials
 from hpc_garage.cluster.report import TASK_RUN_ID
 from hpc_garage.compat import trim_span_metadata
 from hpc_garage.cluster.trial_metrics import Watch
@@ -230,13 +231,14 @@ class RunProgress(SchedulerPlugin):
                       if ts.state == "processing" and ts.processing_on is ws)
         busy_gpus = sum(float(ws.resources.get("GPU", 0)) for ws in s.workers.values()
                         if ws.resources.get("GPU") and any(ts.state == "processing" for ts in ws.executing))
-        waiting = max(len(self.pending) - running, 0)
+        total = max(self.most_known, announced_trials(s))  # a big map's rest is still in the flow
+        waiting = max(len(self.pending) - running, 0) + max(total - len(self.trials) - len(self.pending), 0)
         eta = None
         if self.first_task is not None and len(self.trials) and (waiting or running):
             rate = len(self.trials) / max(now - self.first_task, 1e-6)
             eta = round((waiting + running) / rate, 1)
         figures: dict[str, Any] = {
-            "done": done, "running": running, "failed": failed, "waiting": waiting, "total": self.most_known,
+            "done": done, "running": running, "failed": failed, "waiting": waiting, "total": total,
             **({"interrupted": interrupted} if interrupted else {}),
             "gpus_busy": _number(busy_gpus), "gpus": _number(sum(float(ws.resources.get("GPU", 0))
                                                                 for ws in s.workers.values())),

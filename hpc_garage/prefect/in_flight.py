@@ -30,7 +30,7 @@ from hpc_garage.core.errors import UserError
 from hpc_garage.prefect import fast as prefect_fast
 
 __all__ = ["Ends", "InFlight", "Releaser", "ReleasingFuture", "check_limit", "client_threads", "close", "default_limit",
-           "read_back", "releases", "run_released", "when_done", "RELEASE_FROM"]
+           "mapped_length", "read_back", "releases", "run_released", "when_done", "RELEASE_FROM"]
 
 MINIMUM = 1000  # tasks in flight at least: ~50 MB in the scheduler; enough queued for an adaptive pool to grow on
 PER_THREAD = 4  # tasks in flight per worker thread: each has its next task queued beside it
@@ -275,6 +275,23 @@ RELEASE_FROM = "3.9"
 def releases(task: Any) -> bool:
     """Whether a task's finished runs can leave Dask: Prefect persists its result, so `.result()` reads it back."""
     return task.persist_result is True and at_least("prefect", RELEASE_FROM)
+
+
+def mapped_length(parameters: dict[str, Any]) -> int | None:
+    """How many tasks Prefect's map will make of `parameters`, where that is known without reading anything:
+    the length of a mapped list, range or other sized iterable; None for a generator or a future's value."""
+    from prefect.futures import PrefectFuture
+    from prefect.utilities.annotations import allow_failure, opaque, quote, unmapped
+    from prefect.utilities.collections import isiterable
+
+    for value in parameters.values():
+        if isinstance(value, (allow_failure, opaque, quote)):
+            value = value.unwrap()
+        if isinstance(value, (unmapped, PrefectFuture)):
+            continue  # static, or resolved by Prefect's map (to a list or a static value)
+        if isiterable(value):
+            return len(value) if hasattr(value, "__len__") else None
+    return None
 
 
 def run_released(**kwargs: Any) -> Any:

@@ -42,7 +42,7 @@ from hpc_garage.prefect.flow_api import local_address_towards, settle_api
 from hpc_garage.prefect.metrics import TrialMetrics
 from hpc_garage.pruning import check_settings
 from hpc_garage.core.errors import UserError
-from hpc_garage.cluster.handoff import handoff_from_env, workers_now
+from hpc_garage.cluster.handoff import announce_trials, handoff_from_env, workers_now
 from hpc_garage.rundir import note_flow_run
 from hpc_garage.prefect.sweep_cache import SweepTasks
 from hpc_garage.prefect.tags import resources_from_tags
@@ -132,6 +132,8 @@ class HpcTaskRunner(DaskTaskRunner):
         self._ends = in_flight.Ends()  # ids of task runs whose dask future finished, and callbacks still to run
         self._sweep_tasks = SweepTasks()  # under `hpc-garage run`: trials cached across the sweep's jobs
         self._flow_run_noted = False
+        self._given = 0  # trials this runner was given: its maps' lengths and its single submissions
+        self._mapping = False
 
     def __enter__(self) -> HpcTaskRunner:
         if not (self.address or runner_has_cluster(self)):
@@ -177,8 +179,20 @@ class HpcTaskRunner(DaskTaskRunner):
             self._submitter and self._submitter.close()  # its shared task parts leave the scheduler
             super().__exit__(*exc)
 
+    def map(self, task: Any, parameters: dict[str, Any], wait_for: Any = None) -> Any:
+        """Prefect's map, which the scheduler hears the length of first (the back-pressure holds most of it)."""
+        if (n := in_flight.mapped_length(parameters)) is not None and runner_started(self):
+            self._given += n
+            announce_trials(self.client, f"{os.getpid()}-{id(self):x}", self._given)
+        self._mapping = True
+        try:
+            return super().map(task, parameters, wait_for)
+        finally:
+            self._mapping = False
+
     def submit(self, task: Any, parameters: dict[str, Any], wait_for: Any = None,
                dependencies: Any = None) -> Any:  # map() submits through here too
+        self._given += not self._mapping
         if not self._flow_run_noted:  # the flow run exists by its first submission (not yet at __enter__)
             self._flow_run_noted = True
             if (context := FlowRunContext.get()) is not None and context.flow_run is not None:
