@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from collections import deque
 from typing import Any, Callable
 
@@ -205,7 +206,8 @@ class Ends:
     held here: memory stays bounded by the work in flight."""
 
     def __init__(self) -> None:
-        self.finished: list[Any] = []  # ids of task runs whose Dask future finished
+        self._finished = bytearray()  # ids of task runs whose Dask future finished, 16 bytes each (a flow of
+        # 300,000 trials: 5 MB, where a list of UUIDs took 30)
         self._pending: dict[int, Any] = {}  # id() -> Dask future, until its callback ran
         self._cond = threading.Condition()
 
@@ -221,8 +223,15 @@ class Ends:
         with self._cond:
             self._pending.pop(id(dask_future), None)
             if dask_future.status == "finished":
-                self.finished.append(run_id)
+                self._finished += run_id.bytes
             self._cond.notify_all()
+
+    @property
+    def finished(self) -> list[uuid.UUID]:
+        """The ids of task runs whose Dask future finished, in the order they did (read at the flow's end)."""
+        with self._cond:
+            held = bytes(self._finished)
+        return [uuid.UUID(bytes=held[i:i + 16]) for i in range(0, len(held), 16)]
 
     def settle(self, timeout: float) -> int:
         """Wait until no done future's callback is still to run; how many still were after `timeout` s."""
