@@ -412,7 +412,7 @@ def test_scale_bench_reads_the_time_per_thousand_and_the_process_kinds_and_rende
     assert sampler.cores_by_kind() == {"flow": "0.20 → 0.20", "server": "0.50 → 0.90"}
     row = {"kind": "hpc-garage", "n": 3000, "right": True, "seconds": 20.0, "trials_per_s": 150.0,
            "per_1000_start_s": 6.0, "per_1000_end_s": 6.5, "peak_rss_mib": {"flow": 200, "scheduler": 300},
-           "server_cpu_ms_per_trial": 3.5, "cores_start_end": {"server": "0.50 → 0.90"},
+           "server_cpu_ms_per_trial": 3.5, "cores_start_end": {"server": "0.50 → 0.90"}, "database_mib": 512.0,
            "ui": {"caught_up_s": 9.0, "flow_run_page_s": 0.8, "task_runs_tab_s": 2.5, "screenshot": "x.png"}}
     slow = row | {"per_1000_end_s": 9.0}
     peer = row | {"kind": "dask", "trials_per_s": 500.0}
@@ -433,11 +433,29 @@ def test_scale_bench_reads_the_time_per_thousand_and_the_process_kinds_and_rende
         "the local SLURM"
     text = markdown({"machine": {"date": "today"}, "quick": False, "runs": 1, "seconds": 1.0,
                      "benchmarks": {"scale": result}})
-    assert "| hpc-garage | 3,000 | 150.0 | 6.0 s → 6.5 s | flow 200, scheduler 300 | 3.5 ms | server 0.50 → 0.90 |" \
-        in text
+    assert "| hpc-garage | 3,000 | 150.0 | 6.0 s → 6.5 s | flow 200, scheduler 300 | 3.5 ms | 512 MiB | " \
+        "server 0.50 → 0.90 |" in text
     assert ("- the UI after 3,000 trials (chromium, SQLite): flow-run page 0.8 s, Task Runs tab 2.5 s, once the "
             "server had caught up (9.0 s after the run); `x.png`") in text
     assert "| threads | 3,000 | failed: exit code 1 |" in text
+
+
+def test_scale_bench_measures_the_servers_database_on_disk(tmp_path: Path) -> None:
+    from bench.scale import database_mib
+
+    state = tmp_path / ".hpc-garage" / "prefect" / "host"
+    assert database_mib(tmp_path) is None  # no server ran under this HOME
+    (state / "home").mkdir(parents=True)
+    (state / "home" / "prefect.db").write_bytes(b"x" * 2**20)
+    (state / "home" / "prefect.db-wal").write_bytes(b"x" * 2**19)
+    (state / "server.log").write_bytes(b"x" * 2**20)  # not the database
+    assert database_mib(tmp_path) == 1.5
+    data = state / "postgres" / "data"
+    (data / "base" / "1").mkdir(parents=True)
+    for mark in (data / "PG_VERSION", data / "base" / "1" / "PG_VERSION"):
+        mark.write_text("15\n")
+    (data / "base" / "1" / "16384").write_bytes(b"x" * 2**20)
+    assert database_mib(tmp_path) == 2.5  # the data directory (from its top PG_VERSION) counted once
 
 
 def test_server_cost_bench_subtracts_the_idle_servers_cpu_and_judges_the_managed_figure_only() -> None:

@@ -226,8 +226,7 @@ def is_plain(value: Any) -> bool:
 
 def forget_no_assets(task_run_id: uuid.UUID) -> None:
     """Prefect notes each submitted task run's assets in the flow run context for its downstream tasks, an empty
-    set for a task that has none: a flow held one per task it ever submitted (~0.3 KB each, issue 32). An empty
-    one tells a downstream task nothing (Prefect skips it), so it is not kept."""
+    set for a task that has none (a flow held one per task: ~0.3 KB each). An empty one tells nothing: dropped."""
     from prefect.context import FlowRunContext
 
     context = FlowRunContext.get()
