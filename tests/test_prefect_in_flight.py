@@ -4,6 +4,8 @@ compact state and the read back from the results store."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 import pickle
@@ -191,6 +193,9 @@ def test_a_released_future_keeps_its_state_small_and_gives_back_the_same_state(t
     assert again == small and again.id == small.id and again.timestamp == small.timestamp
     assert again.data == small.data and again.state_details == small.state_details
     assert future.result() == {"loss": 0.5} and future.released
+    elsewhere = subprocess.run([sys.executable, "-c", "import pickle, sys; f = pickle.load(sys.stdin.buffer); "
+                                "print(f.state.id, f.result())"], input=pickle.dumps(future), capture_output=True)
+    assert elsewhere.stdout.decode().split() == [str(small.id), "{'loss':", "0.5}"], elsewhere.stderr.decode()[-800:]
     wire = [pickle.dumps(completed(i, tmp_path)[1]) for i in range(500)]  # as the workers send them
     held = [ReleasingFuture(task_run_id=uuid.uuid4(), wrapped_future=None) for _ in wire]
     gc.collect()

@@ -134,8 +134,10 @@ def unpack_state(packed: bytes) -> Any:
 
 @functools.cache
 def _typical_state() -> bytes:
-    """What most of a packed State's JSON repeats (its field names and defaults), as zlib's preset dictionary;
-    made once per process, so the same for packing and unpacking."""
+    """What most of a packed State's JSON repeats (its field names and defaults), as zlib's preset dictionary.
+    Fixed ids and time: the same bytes in every process of one Prefect version (a future that travels pickled
+    unpacks where it lands)."""
+    import datetime
     import uuid
 
     from prefect.results import ResultRecordMetadata
@@ -143,5 +145,6 @@ def _typical_state() -> bytes:
     from prefect.states import Completed
 
     state = Completed(data=ResultRecordMetadata(storage_key="/results/" + "0" * 64, serializer=PickleSerializer()))
-    state.state_details.flow_run_id, state.state_details.task_run_id = uuid.UUID(int=0), uuid.UUID(int=0)
+    state.id = state.state_details.flow_run_id = state.state_details.task_run_id = uuid.UUID(int=0)
+    state.timestamp = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc)
     return state.model_dump_json().encode()
