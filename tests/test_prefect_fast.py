@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import pytest
@@ -142,6 +143,12 @@ def test_a_busy_api_delays_a_trial_whose_tags_this_process_has_not_seen_and_does
         return httpx.Response(200, json={"lease_id": str(uuid.uuid4()), "limits": []}, request=request)
 
     monkeypatch.setattr(cls, "acquire", own)  # Prefect's, as the API would answer it; restored after
+
+    @contextlib.asynccontextmanager
+    async def no_client(self):  # noqa: ANN001, ANN202 - `own` needs none; Prefect's client started Prefect's
+        yield                   # ephemeral server here, which outlived the test run (a uvicorn process a run)
+
+    monkeypatch.setattr(cls, "_lifespan", no_client)
     monkeypatch.setattr(cls, "_hpc_garage_survives", False, raising=False)
     said: list[str] = []
     assert compat.tag_limits_survive_outages(is_outage_error, lambda: up, said.append, patience=4.0) is True
