@@ -159,14 +159,12 @@ class Submitter:
 
         task_run_context, tags_context = TaskRunContext.get(), TagsContext.get()
         deployment_id, deployment_parameters = deployment_context()
-        asset_context = AssetContext.from_task_and_inputs(**asset_ctx_kwargs).serialize()
-        forget_no_assets(asset_ctx_kwargs["task_run_id"])
         return {
             "flow_run_context": self._flow_run_context(),
             "task_run_context": task_run_context.serialize() if task_run_context else {},
             "tags_context": tags_context.serialize() if tags_context else {},
             "settings_context": {},
-            "asset_context": asset_context,
+            "asset_context": AssetContext.from_task_and_inputs(**asset_ctx_kwargs).serialize(),
             "deployment_id": str(deployment_id) if deployment_id else None,
             "deployment_parameters": deployment_parameters,
         }

@@ -239,6 +239,7 @@ class HpcTaskRunner(DaskTaskRunner):
         except BaseException:
             gate.cancel()
             raise
+        prefect_fast.forget_no_assets(future.task_run_id)  # either path noted an empty asset set per task run
         releaser = self._releaser if released else None
         done = in_flight.when_done(future, gate, self._ends, releaser, self._metrics)  # not self: no cycle
         future.wrapped_future.add_done_callback(done)
