@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -140,15 +141,26 @@ def test_the_managed_server_records_task_runs_through_the_rewrite(tmp_path: Path
         done = subprocess.run([sys.executable, "-c", FLOW], env={**os.environ, **api}, capture_output=True,
                               text=True, timeout=300, cwd=tmp_path)
         assert done.returncode == 0, done.stderr[-2000:]
-        request = urllib.request.Request(api["PREFECT_API_URL"] + "/task_runs/count", data=b"{}", method="POST",
-                                         headers={"Content-Type": "application/json", "Authorization": "Basic "
-                                                  + base64.b64encode(api["PREFECT_API_AUTH_STRING"].encode()).decode()})
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+        def ask(path: str, body: bytes | None = b"{}") -> Any:
+            request = urllib.request.Request(
+                api["PREFECT_API_URL"] + path, data=body, method="POST" if body is not None else "GET",
+                headers={"Content-Type": "application/json", "Authorization": "Basic "
+                         + base64.b64encode(api["PREFECT_API_AUTH_STRING"].encode()).decode()})
+            return json.loads(opener.open(request, timeout=10).read())
+
         deadline = time.monotonic() + 60
-        while (count := json.loads(opener.open(request, timeout=10).read())) < 5 and time.monotonic() < deadline:
+        while (count := ask("/task_runs/count")) < 5 and time.monotonic() < deadline:
             time.sleep(0.5)
         assert count == 5
+        # each task run's states, recorded from its events (compat.prefect_server's executemany on SQLite)
+        for task_run in ask("/task_runs/filter"):
+            states = ask(f"/task_run_states/?task_run_id={task_run['id']}", None)
+            assert [s["type"] for s in states] == ["PENDING", "RUNNING", "COMPLETED"], states
+            assert states[-1]["id"] == task_run["state"]["id"]
         said = ServerDir.of().log_file.read_text()
         assert said.count("task runs are looked up by their natural key's index (hpc-garage)") == 1, said[-3000:]
+        assert said.count("each batch of events and task-run states is inserted through one cached statement") == 1
     finally:
         stop_server()

@@ -8,6 +8,9 @@ scans per batch, so the server's CPU per trial grew with every trial recorded (1
 subquery, `IN (SELECT * FROM (VALUES ...))`, are looked up in the table's unique index on those columns: about
 1 ms at any size. Same rows, same answer; only the query plan changes.
 
+And where SQLite is the database, the batches Prefect's event persister and task-run recorder insert go through
+one cached statement (compat.insert_batches_once_compiled: executemany, not a multi-row INSERT compiled anew).
+
 keeper.py starts it as `python -m hpc_garage.prefect.server prefect server start --host … --port …`.
 """
 
@@ -17,6 +20,8 @@ import logging
 import re
 import sys
 from typing import Any
+
+from hpc_garage import log
 
 logger = logging.getLogger(__name__)
 
@@ -54,12 +59,13 @@ def install() -> None:
 
 def main(argv: list[str]) -> int:
     """Prefect's own command line (`prefect server start ...`), in this process, with the rewrite installed."""
-    handler = logging.StreamHandler(sys.stderr)  # into the server's log, beside Prefect's own lines
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
+    log.setup(clock=True)  # hpc-garage's lines (this module's, compat's) in the server's log, beside Prefect's
     install()
+    from hpc_garage.compat import insert_batches_once_compiled
+
+    if replaced := insert_batches_once_compiled():
+        logger.info("SQLite: each batch of %s is inserted through one cached statement (hpc-garage)",
+                    " and ".join(replaced))
     from prefect.cli import app
 
     sys.argv = ["prefect", *argv]
