@@ -107,5 +107,9 @@ def test_a_function_that_is_not_the_verified_one_runs_unchanged(monkeypatch: pyt
         key: ("0" * 16, what) for key, (_, what) in prefect_server.VERIFIED_SOURCES.items()})
     assert prefect_server.insert_batches_once_compiled() == []
     assert (storage._write_sqlite_events, task_run_recorder._insert_task_run_states) == before
+    monkeypatch.setattr(prefect_server, "VERIFIED_SOURCES", {  # a name or module gone: no error, the server starts
+        ("prefect.server.events.storage.database", "_gone"): ("0" * 16, "events"),
+        ("prefect.server.no_such_module", "f"): ("0" * 16, "states")})
+    assert prefect_server.insert_batches_once_compiled() == []
     monkeypatch.setattr(prefect_server.versions, "in_range", lambda package: False)
     assert prefect_server.insert_batches_once_compiled() == []
