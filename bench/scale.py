@@ -56,7 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nodes", type=int, default=1, help="the batch job's nodes (with --site)")
     parser.add_argument("--ui", action="store_true", help="then open hpc-garage's flow run in chromium (its "
                         "page and Task Runs tab, timed, a screenshot in bench/results/) before the server stops")
+    parser.add_argument("--worker-profiler", action="store_true", help="Dask's worker profiler on, as a user's "
+                        "DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED=True turns it on (hpc-garage turns it off)")
     args = parser.parse_args(argv)
+    if args.worker_profiler:
+        os.environ["DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED"] = "True"  # every row's `run` passes it on
     wanted = args.contenders.split(",")
     if not (args.out or args.store) or set(wanted) - set(KINDS):
         parser.error(f"--contenders {args.contenders}: of {', '.join(KINDS)}; and --out FILE or --store")
@@ -103,7 +107,8 @@ def measure(kind: str, n: int, ui: bool = False, job: Job | None = None) -> dict
     from hpc_garage.prefect.server.postgres import database_choice
 
     database = database_choice(os.environ)  # HPC_GARAGE_PREFECT_DATABASE, as `run` reads it
-    said = {"kind": kind, "n": n, "database": database.label(), **({"job": job.says()} if job else {})}
+    said = {"kind": kind, "n": n, "database": database.label(), **({"job": job.says()} if job else {}),
+            **({"worker_profiler": True} if os.environ.get("DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED") else {})}
     say(f"scale: {kind}, {n:,} trials" + (f", Prefect's database {database.label()}" if kind == "hpc-garage" else ""))
     with tempfile.TemporaryDirectory(prefix="hpc-garage-bench-scale-") as home:
         out = Path(home) / "flow.json"

@@ -12,19 +12,25 @@ import contextlib
 import fcntl
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from hpc_garage.core.errors import UserError
 
 
-def write_private(path: Path, text: str) -> None:
-    """Write a file readable by its owner only, atomically: no reader ever sees half of it."""
+def write_private(path: Path, text: str | Iterable[str]) -> None:
+    """Write a file readable by its owner only, atomically: no reader ever sees half of it. `text` may come in
+    pieces (a report of 300,000 trials is written a trial at a time, never held as one string)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.writelines([text] if isinstance(text, str) else text)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     os.replace(tmp, path)
 
 

@@ -4,6 +4,7 @@ each node process starts (the end-to-end runs are in test_run.py, on the real SL
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 import pytest
 
@@ -174,3 +175,21 @@ def test_large_clusters_get_longer_connect_timeouts_and_a_ttl_of_several_heartbe
     read = dask.config.collect_env(variables)  # what a worker's dask reads from them
     assert read["distributed"]["comm"]["timeouts"]["connect"] == "600s"
     assert dask.config.get("distributed.scheduler.worker-ttl", config=read) == "824s"
+
+
+def test_the_workers_profiler_is_off_unless_the_users_dask_config_sets_it(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    import dask
+
+    from hpc_garage.launchers.common import PROFILER_SETTING, dask_environment, profiler_settings
+
+    monkeypatch.setattr(dask.config, "paths", [str(tmp_path)])  # the user's Dask YAML files: none yet
+    assert profiler_settings({}) == {PROFILER_SETTING: False}
+    read = dask.config.collect_env(dask_environment(profiler_settings({})))  # as a worker's dask reads it
+    assert dask.config.get(PROFILER_SETTING, config=read) is False
+    for value in ("True", "False"):  # set either way in a variable: left to it
+        assert profiler_settings({"DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED": value}) == {}
+    (tmp_path / "dask.yaml").write_text("distributed:\n  worker:\n    profile:\n      enabled: true\n")
+    assert profiler_settings({}) == {}  # and in a file
+    (tmp_path / "dask.yaml").write_text("distributed:\n  worker:\n    profile:\n      interval: 20ms\n")
+    assert profiler_settings({}) == {PROFILER_SETTING: False}  # another profiler setting is not this one

@@ -61,7 +61,7 @@ def test_report_per_gpu_worker_and_trial_and_five_summary_lines(tmp_path: Path) 
     gpu = {g["gpu"]: g for g in report["gpus"]}
     assert set(gpu) == {"3", "#0"}  # w1 never said its GPU's id
     assert gpu["3"] | {"gaps": None} == {"gpu": "3", "worker": "w0", "allocated_s": 9.0, "busy_s": 5.0, "idle_s": 4.0,
-                                         "gaps": None, "trials": 2}
+                                         "gaps": None, "gap_count": 3, "trials": 2}
     assert gpu["3"]["gaps"] == [[1.0, 2.0], [5.0, 6.0], [8.0, 10.0]]
     w0 = report["workers"][0]
     assert (w0["memory_peak"], w0["memory_limit"], w0["gpus"]) == (2**30, 2**32, ["3"])
@@ -264,3 +264,59 @@ def test_a_search_in_the_run_directory_adds_its_line_to_the_report(tmp_path: Pat
     assert summary(report)[-1] == ("search search: 8 trials told (3 complete, 5 pruned, 0 failed), 0.01 GPUh; best #2 "
                                    "loss 0.5 {'lr': 0.1}; stopped: trials: all 8 trials asked")
     assert "search" not in with_metrics(build(record()), RunDir(tmp_path / "43"))
+
+
+def test_a_report_walked_from_its_record_is_the_one_built_from_a_list(tmp_path: Path) -> None:
+    from hpc_garage.cluster.report import Trials, write
+
+    listed = record()
+    walked = dict(listed, trials=Trials(lambda: iter(listed["trials"]), len(listed["trials"])))
+    expected, found = build(listed), build(walked)
+    write(tmp_path / "report.json", found)  # its trials written one at a time
+    assert json.loads((tmp_path / "report.json").read_text()) == json.loads(json.dumps(expected))
+    assert summary(found) == summary(expected) and len(found["trials"]) == 3
+    assert oct((tmp_path / "report.json").stat().st_mode & 0o777) == "0o600"
+
+
+def test_a_worker_with_many_gaps_keeps_the_longest_and_counts_them_all() -> None:
+    from hpc_garage.cluster.report import GAPS_KEPT
+
+    t0, n = 1000.0, 3 * GAPS_KEPT
+    trials = [{"key": f"t{i}", "worker": "w0", "start": t0 + i, "stop": t0 + i + (0.5 if i % 3 else 0.9),
+               "failed": False, "asked_gpu": False} for i in range(n)]  # gaps of 0.5 s, every third 0.1 s
+    report = build({"started": t0, "ended": t0 + n, "flow_runs": [], "trials": trials,
+                    "workers": [{"name": "w0", "gpus": 0.0, "gpu_ids": [], "nthreads": 1, "memory_limit": 2**32,
+                                 "memory_peak": 2**20, "joined": t0, "left": t0 + n}]})
+    w0 = report["workers"][0]
+    assert w0["gap_count"] == n and len(w0["gaps"]) == GAPS_KEPT
+    assert all(b - a == pytest.approx(0.5) for a, b in w0["gaps"]) and w0["gaps"] == sorted(w0["gaps"])
+    assert w0["idle_s"] == pytest.approx(n / 3 * (0.5 + 0.5 + 0.1))  # all of them, the short ones too
+    assert f"idle in {n} gaps (longest 0.5 s)" in summary(report)[1]
+
+
+def test_the_report_of_many_trials_is_made_in_memory_that_does_not_hold_them(tmp_path: Path) -> None:
+    import tracemalloc
+
+    from hpc_garage.cluster.report import Trials, write
+
+    t0, n = 1000.0, 100_000
+
+    def walk() -> object:
+        return ({"key": f"trial-{i:032x}", "worker": f"w{i % 2}", "start": t0 + i / 100, "stop": t0 + i / 100 + 0.005,
+                 "failed": i % 1000 == 0, "asked_gpu": False} for i in range(n))
+
+    workers = [{"name": f"w{w}", "gpus": 0.0, "gpu_ids": [], "nthreads": 1, "memory_limit": 2**32,
+                "memory_peak": 2**20, "joined": t0, "left": t0 + n / 100 + 1} for w in range(2)]
+    tracemalloc.start()
+    try:
+        report = build({"started": t0, "ended": t0 + n / 100 + 1, "flow_runs": [], "workers": workers,
+                        "trials": Trials(walk, n)})  # type: ignore[arg-type]
+        write(tmp_path / "report.json", report)
+        lines = summary(report)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    # a list of the trials' dicts alone would take over 50 MB; spans of one worker at a time, a float or two each
+    assert peak < 20 * 2**20, peak
+    assert lines[0].startswith(f"{n} trials ({n - n // 1000} done, {n // 1000} failed)")
+    assert len(json.loads((tmp_path / "report.json").read_text())["trials"]) == n

@@ -42,6 +42,7 @@ def test_login_node_cluster_is_shaped_like_the_site(tmp_path: Path) -> None:
     assert r["address"].startswith("tls://") and r["plain_client_refused"] is True
     assert r["worker_preloaded"] == [[True, True]]  # every worker forked with Prefect imported and set up
     assert r["scheduler_has_prefect"] is True  # it unpickles Prefect tasks: imported before the first one
+    assert r["worker_profilers"] == [[False, False]]  # Dask's statistical profiler off (launchers/common.py)
     assert r["scheduler_file_mode"] == 0o600 and r["run_dir_mode"] == 0o700 and set(r["tls_modes"]) == {0o600}
     assert not Path(r["scheduler_file"]).exists()  # torn down with the cluster
     state = json.loads((Path(r["scheduler_file"]).parent / "state.json").read_text())
@@ -54,9 +55,12 @@ def test_login_node_cluster_is_shaped_like_the_site(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_insecure_says_so_and_speaks_tcp(tmp_path: Path) -> None:
     out = tmp_path / "out.json"
-    done = run(["--site", "local", "--insecure", "--", PY, str(CHECK), str(out)], login_env(tmp_path), tmp_path)
+    user = {"DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED": "True"}  # the user's Dask setting: theirs to keep
+    done = run(["--site", "local", "--insecure", "--", PY, str(CHECK), str(out)], login_env(tmp_path, **user),
+               tmp_path)
     assert done.returncode == 0, done.stderr
     assert "--insecure" in done.stderr and json.loads(out.read_text())["address"].startswith("tcp://")
+    assert json.loads(out.read_text())["worker_profilers"] == [[True, True]]
 
 
 # as if the workers had not yet obeyed the scheduler's terminate (a loaded machine): `run` ends them itself,

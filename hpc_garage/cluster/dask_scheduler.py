@@ -30,7 +30,7 @@ __all__ = ["import_beside", "new", "retire", "start"]
 
 
 def new(launcher: Launcher, rundir: RunDir, tls: dict[str, str] | None,
-        settings: Mapping[str, str] | None = None) -> Scheduler:
+        settings: Mapping[str, Any] | None = None) -> Scheduler:
     """The scheduler, not started yet (the caller holds it from now on, so that teardown closes it whatever
     step start-up stops at): TLS unless `tls` is None (its credentials written first), resource tasks placed
     only on workers with them free (cluster/placement.py, every launcher). `settings`: Dask configuration for
@@ -60,7 +60,8 @@ async def start(scheduler: Scheduler, site: Site, rundir: RunDir, api_env: Mappi
     await scheduler
     progress = await install_progress(scheduler, write, vendor=site.node.gpu_vendor, api=api_env,
                                       noted=rundir.flow_runs,  # the flow runs COMMAND's task runners noted
-                                      metrics=rundir.metrics_summary)  # what the trials reported
+                                      metrics=rundir.metrics_summary,  # what the trials reported
+                                      spool_dir=rundir.path)  # finished trials' records till the report
     os.chmod(rundir.dask_scheduler_file, 0o600)  # Dask writes it 0644; it names the cluster's address
     return progress
 

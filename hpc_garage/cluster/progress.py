@@ -27,6 +27,7 @@ import importlib.util
 import json
 import re
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,8 +35,9 @@ from typing import TYPE_CHECKING, Any
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
+from hpc_garage.cluster.finished_trials import RECENT, FinishedTrials, TrialRecord
 from hpc_garage.cluster.handoff import announced_trials
-from hpc_garage.cluster.report import TASK_RUN_ID
+from hpc_garage.cluster.report import TASK_RUN_ID, Trials
 from hpc_garage.compat import trim_span_metadata
 from hpc_garage.cluster.trial_metrics import Watch
 from hpc_garage.launchers.gpu_sampler import NAME as SAMPLER_NAME, TOPIC, TrialSampler
@@ -66,26 +68,6 @@ class WorkerRecord:
     gpu_ids: list[str] = field(default_factory=list)
 
 
-@dataclass(slots=True)
-class TrialRecord:
-    """One finished trial, kept until the report (a sweep's every trial: small, slots, no per-trial dicts)."""
-    key: str
-    worker: str
-    start: float
-    stop: float
-    failed: bool
-    asked_gpu: bool
-    interrupted: bool = False  # it raised hpc_garage.trial.Interrupted: saved, not done (not failed)
-    gpu: dict[str, Any] | None = None  # what the worker's sampler measured on its GPUs (gpu_* figures)
-
-    def sampled(self, msg: dict[str, Any]) -> None:
-        """Take what the worker's sampler said: its own timing, a Prefect Failed state, the GPU figures."""
-        if "stop" in msg:
-            self.start, self.stop = float(msg["start"]), float(msg["stop"])
-        self.failed = self.failed or bool(msg.get("failed"))
-        self.gpu = {k: v for k, v in msg.items() if k.startswith("gpu")} or None
-
-
 def _interrupted(ts: Any) -> bool:
     """Whether an erred task raised hpc_garage.trial.Interrupted (Dask keeps the exception's repr)."""
     return str(getattr(ts, "exception_text", "") or "").startswith("Interrupted(")
@@ -93,13 +75,14 @@ def _interrupted(ts: Any) -> bool:
 
 async def install(scheduler: Scheduler, write: Callable[[dict[str, Any]], None], *, vendor: str = "nvidia",
                   api: Mapping[str, str] | None = None, noted: Callable[[], list[str]] | None = None,
-                  metrics: Path | None = None) -> RunProgress:
+                  metrics: Path | None = None, spool_dir: Path | None = None) -> RunProgress:
     """Progress on this scheduler, and the GPU sampler on every worker that joins it (before they start).
     `noted`: the flow runs COMMAND's task runners noted (cluster/handoff.py), known before any trial ends;
-    `metrics`: the run directory's trials.json (RunDir.metrics_summary), what the trials reported."""
+    `metrics`: the run directory's trials.json (RunDir.metrics_summary), what the trials reported;
+    `spool_dir`: where finished trials' records wait for the report (cluster/finished_trials.py)."""
     from distributed.protocol.pickle import dumps
 
-    plugin = RunProgress(write, api=api, noted=noted, metrics=metrics)
+    plugin = RunProgress(write, api=api, noted=noted, metrics=metrics, spool_dir=spool_dir)
     scheduler.add_plugin(plugin, name=NAME)
     plugin.attach(scheduler)
     await scheduler.register_worker_plugin(None, dumps(TrialSampler(vendor)), name=SAMPLER_NAME, idempotent=True)
@@ -112,7 +95,8 @@ class RunProgress(SchedulerPlugin):
     name = NAME
 
     def __init__(self, write: Callable[[dict[str, Any]], None], *, api: Mapping[str, str] | None = None,
-                 noted: Callable[[], list[str]] | None = None, metrics: Path | None = None) -> None:
+                 noted: Callable[[], list[str]] | None = None, metrics: Path | None = None,
+                 spool_dir: Path | None = None) -> None:
         self.write = write
         self.metrics = Watch(metrics) if metrics is not None else None  # trials.json, read when it changed
         self.api = dict(api or {})
@@ -122,9 +106,9 @@ class RunProgress(SchedulerPlugin):
         self.first_task: float | None = None
         self.pending: set[str] = set()  # known to the scheduler, not finished (bounded by the work in flight)
         self.most_known = 0  # the most trials known at once: a COMMAND stopped mid-sweep forgets the rest
-        self.trials: dict[str, TrialRecord] = {}
-        self.failed_count = self.interrupted_count = 0  # of self.trials, counted as they come (not per tick)
-        self.sampled: dict[str, dict[str, Any]] = {}  # key → the worker's sampler event, until its record comes
+        self.trials = FinishedTrials(spool_dir)  # the latest in memory, the rest in a file till the report
+        self.sampled: OrderedDict[str, dict[str, Any]] = OrderedDict()  # key → the worker's sampler event,
+        # until its record comes (the latest RECENT: one whose record never comes is not kept for ever)
         self.workers: dict[str, WorkerRecord] = {}  # by address
         self.flow_runs: list[str] = []
         self.interrupted: list[dict[str, Any]] = []  # trials the job's end interrupted (cluster/wind_down.py)
@@ -181,15 +165,8 @@ class RunProgress(SchedulerPlugin):
             asked_gpu=bool(ts is not None and (ts.resource_restrictions or {}).get("GPU")))
         if (msg := self.sampled.pop(name, None)) is not None:
             record.sampled(msg)
-        if (old := self.trials.get(name)) is not None:  # computed again (a lost worker's result): counted once
-            self._count(old, -1)
-        self.trials[name] = record
+        self.trials.add(record)  # computed again (a lost worker's result): counted once
         self.pending.discard(name)
-        self._count(record, 1)
-
-    def _count(self, record: TrialRecord, sign: int) -> None:
-        self.failed_count += sign * record.failed
-        self.interrupted_count += sign * record.interrupted
 
     def log_event(self, topic: str, msg: Any) -> None:
         if topic != TOPIC or not isinstance(msg, dict):
@@ -197,10 +174,10 @@ class RunProgress(SchedulerPlugin):
         if "key" in msg:
             if (record := self.trials.get(key := str(msg["key"]))) is None:
                 self.sampled[key] = msg  # its record comes with the scheduler's transition
+                if len(self.sampled) > RECENT:
+                    self.sampled.popitem(last=False)
             else:
-                self._count(record, -1)
-                record.sampled(msg)
-                self._count(record, 1)
+                self.trials.update(record, msg)
         elif msg.get("gpus") and (record := self.workers.get(msg.get("worker"))) is not None:
             record.gpu_ids = [str(g) for g in msg["gpus"]]  # a sampler starting (the scheduler adds "worker")
 
@@ -225,7 +202,7 @@ class RunProgress(SchedulerPlugin):
         """What state.json's "progress" holds: counts, GPUs, times, and where to look."""
         s = self.scheduler
         now = time.time()
-        failed, interrupted = self.failed_count, self.interrupted_count
+        failed, interrupted = self.trials.failed, self.trials.interrupted
         done = len(self.trials) - failed - interrupted
         running = sum(1 for ws in s.workers.values() for ts in ws.executing
                       if ts.state == "processing" and ts.processing_on is ws)
@@ -274,7 +251,7 @@ class RunProgress(SchedulerPlugin):
         url = self.api.get("PREFECT_API_URL")
         if not url or (self.lookup is not None and not self.lookup.done()):
             return
-        for key in reversed(list(self.trials)[-64:]):  # finished: in the API by now (a waiting one may not be)
+        for key in self.trials.latest(64):  # finished: in the API by now (a waiting one may not be)
             if (m := TASK_RUN_ID.search(key)) and m.group(1) not in self.looked_up:
                 self.looked_up.add(m.group(1))
                 self.lookup = asyncio.get_running_loop().run_in_executor(None, self._flow_run_of, m.group(1))
@@ -299,30 +276,29 @@ class RunProgress(SchedulerPlugin):
     def finish(self, rundir: RunDir) -> list[str]:
         """COMMAND ended: the last progress, then report.json in the run directory; its summary lines."""
         from hpc_garage.cluster.artifacts import attach
-        from hpc_garage.cluster.report import build, summary, with_metrics
-        from hpc_garage.files import write_json
+        from hpc_garage.cluster.report import build, summary, with_metrics, write
 
         if (tick := self.scheduler.periodic_callbacks.pop(NAME, None)) is not None:
             tick.stop()
         try:
-            self._read_memory()
-            self.known_flow_runs()
-            self.write(self.figures())
-            report = with_metrics(build(self.record()), rundir)  # and what the trials reported
-            write_json(rundir.report_file, report)
-        except Exception as exc:  # noqa: BLE001 - the report must never turn a finished run into a failed one
-            return [f"not written ({type(exc).__name__}: {exc})"]
-        lines = [*summary(report), f"written to {rundir.report_file} (`hpc-garage report JOB` shows it again)"]
-        return [*lines, *attach(report, self.api)]  # the trials' artifacts in Prefect (cluster/artifacts.py)
+            try:
+                self._read_memory()
+                self.known_flow_runs()
+                self.write(self.figures())
+                report = with_metrics(build(self.record()), rundir)  # and what the trials reported
+                write(rundir.report_file, report)
+            except Exception as exc:  # noqa: BLE001 - the report must never turn a finished run into a failed one
+                return [f"not written ({type(exc).__name__}: {exc})"]
+            lines = [*summary(report), f"written to {rundir.report_file} (`hpc-garage report JOB` shows it again)"]
+            return [*lines, *attach(report, self.api)]  # the trials' artifacts in Prefect (cluster/artifacts.py)
+        finally:
+            self.trials.close()  # each of the above walks the trials again
 
     def record(self, ended: float | None = None) -> dict[str, Any]:
-        """Everything the report is computed from, as plain JSON types (cluster/report.py)."""
+        """Everything the report is computed from, as plain JSON types (cluster/report.py); its trials in the
+        order they finished, read afresh each time they are walked (report.Trials)."""
         ended = time.time() if ended is None else ended
-        trials = []
-        for t in sorted(self.trials.values(), key=lambda t: t.start):
-            trials.append({"key": t.key, "worker": t.worker, "start": t.start, "stop": t.stop, "failed": t.failed,
-                           "asked_gpu": t.asked_gpu, **({"interrupted": True} if t.interrupted else {}),
-                           **(t.gpu or {})})
+        trials = Trials(lambda: (t.as_dict() for t in self.trials.records()), len(self.trials))
         return {"started": self.started, "ended": ended,
                 "workers": [{"name": w.name, "gpus": w.gpus, "gpu_ids": w.gpu_ids, "nthreads": w.nthreads,
                              "memory_limit": w.memory_limit, "memory_peak": w.memory_peak, "joined": w.joined,

@@ -29,7 +29,7 @@ from hpc_garage.cluster.node_loss import NodeWatch
 from hpc_garage.cluster import dask_scheduler
 from hpc_garage.cluster.command import command_exit, end_command, on_signals, start_command, stop_on_signals
 from hpc_garage.launchers.common import (Launcher, Preload, cluster_settings, dask_environment, listening_host,
-                                        worker_preload)
+                                        profiler_settings, worker_preload)
 from hpc_garage.core.layout import Layout, layout
 from hpc_garage.cluster.sweep import RunSweep, join_sweep
 from hpc_garage.cluster.prefect_cancel import PrefectCancel
@@ -156,7 +156,7 @@ class _Run:
     tls: dict[str, str] | None
     api_env: dict[str, str]
     ending: WindDown | None
-    settings: dict[str, str] = field(default_factory=dict)  # dask.config of scheduler and workers
+    settings: dict[str, Any] = field(default_factory=dict)  # dask.config of scheduler and workers
     nodes: NodeWatch = field(default_factory=NodeWatch)  # lost nodes, for the whole run (cluster/node_loss.py)
     proc: asyncio.subprocess.Process | None = None  # COMMAND
     scheduler: Any = None
@@ -179,7 +179,7 @@ async def _serve(site: Site, layout_: Layout, launcher: Launcher, rundir: RunDir
     host = listening_host(launcher.scheduler_host)
     api_env = api(host) if api is not None else {}
     run = _Run(site, layout_, launcher, rundir, job_id, state, None if insecure else rundir.credential_paths(),
-               api_env, ending, cluster_settings(layout_.worker_count))
+               api_env, ending, cluster_settings(layout_.worker_count) | profiler_settings(env))
     worker_env, child_env = _environments(run, env, swept, timeout, preload_names, host)
     interrupted = stop_on_signals()
     if ending is not None:
@@ -222,7 +222,7 @@ def _environments(run: _Run, env: dict[str, str], swept: RunSweep, timeout: floa
                  START_TIMEOUT: f"{timeout:g}", **run.launcher.command_env}
     own = [host, server_host(run.api_env)]
     worker_env |= no_proxy_for(own, {**env, **worker_env})
-    worker_env |= dask_environment(run.settings)  # large clusters' timeouts
+    worker_env |= dask_environment(run.settings)  # large clusters' timeouts, the profiler off
     child_env |= no_proxy_for(own, child_env)
     return worker_env, child_env
 

@@ -193,9 +193,39 @@ def cluster_settings(workers: int, current: Callable[[str], Any] | None = None) 
     return settings
 
 
-def dask_environment(settings: Mapping[str, str]) -> dict[str, str]:
-    """The same settings as DASK_* variables, which a worker process reads when it imports dask."""
-    return {"DASK_" + key.upper().replace(".", "__").replace("-", "_"): value for key, value in settings.items()}
+# Issue 32: Dask's statistical profiler samples every worker thread's stack every 10 ms and keeps about 17 minutes
+# of it (a tree per second of Prefect's deep stacks). 100,000 trivial trials ended with the two workers at 764 MiB,
+# most of it that history, and with it on 10,000 trials ran at 60.3 trials/s against 67.0 with it off
+# (bench/results/profiles/20261130-scale-growth-per-trial.md). Off unless the user's Dask config sets it: the
+# dashboard's Profile tab is then empty.
+PROFILER_SETTING = "distributed.worker.profile.enabled"
+
+
+def profiler_settings(env: Mapping[str, str]) -> dict[str, Any]:
+    """Dask's worker profiler off, as a `dask.config` key, where the user's Dask config (its YAML files, or a
+    DASK_* variable in `env`) leaves it unset; nothing where the user set it either way."""
+    import dask.config
+
+    user = dask.config.collect(paths=dask.config.paths, env=dict(env))  # the user's files and variables, no defaults
+    return {} if _configured(user, PROFILER_SETTING) else {PROFILER_SETTING: False}
+
+
+def _configured(config: Mapping[str, Any], key: str) -> bool:
+    node: Any = config
+    for part in key.split("."):
+        if not isinstance(node, Mapping):
+            return False
+        names = {name.replace("_", "-"): value for name, value in node.items()}
+        if part not in names:
+            return False
+        node = names[part]
+    return True
+
+
+def dask_environment(settings: Mapping[str, Any]) -> dict[str, str]:
+    """The same settings as DASK_* variables, which a worker process reads when it imports dask (which reads
+    `False` back as the boolean)."""
+    return {"DASK_" + key.upper().replace(".", "__").replace("-", "_"): str(value) for key, value in settings.items()}
 
 
 class Launcher:

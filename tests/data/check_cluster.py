@@ -7,6 +7,7 @@ import stat
 import sys
 import time
 
+import dask
 from distributed import Client
 
 from hpc_garage.cluster.handoff import handoff_from_env, workers_now
@@ -37,6 +38,8 @@ def main(out: str) -> None:
         envs = c.run(lambda: {k: os.environ.get(k) for k in KEYS})
         hashes = sorted(set(c.run(lambda: hash("hpc-garage")).values()))  # one seed everywhere: Dask needs it
         preloaded = c.run(_preloaded)
+        profilers = c.run(lambda dask_worker: [dask.config.get("distributed.worker.profile.enabled"),
+                                               "profile" in dask_worker.periodic_callbacks])
         scheduler_has_prefect = False
         for _ in range(300):  # imported in the background while the workers start
             if scheduler_has_prefect := c.run_on_scheduler(lambda: "prefect.flows" in sys.modules):
@@ -62,6 +65,7 @@ def main(out: str) -> None:
         "plain_client_refused": refused,
         "string_hashes": hashes,
         "worker_preloaded": sorted(set(preloaded.values())),
+        "worker_profilers": sorted(set(map(tuple, profilers.values()))),  # Dask's setting, its sampling callback
         "scheduler_has_prefect": scheduler_has_prefect,
     }
     with open(out, "w") as f:
