@@ -28,6 +28,8 @@ def test_every_record_comes_back_in_the_order_they_finished_with_their_counts(tm
     trials.add(record(25))  # more after a read: appended, none lost
     assert [r.key for r in trials.records()][-2:] == [record(24).key, record(25).key]
     assert len(list(trials.records())) == 26
+    pairs = list(zip(trials.records(), trials.records()))  # two walks at once keep their own places
+    assert all(a.key == b.key for a, b in pairs) and len(pairs) == 26
     trials.close()
 
 

@@ -11,6 +11,7 @@ gone when the scheduler ends); the count, failed and interrupted trials are coun
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ from typing import IO, Any
 __all__ = ["FinishedTrials", "RECENT", "TrialRecord"]
 
 RECENT = 4096  # records kept in memory: ~1 MB, and several times the trials a scheduler has in flight at once
+READ_BYTES = 1 << 16  # the file is read back this much at a time
 
 
 @dataclass(slots=True)
@@ -59,7 +61,7 @@ class FinishedTrials:
         self._recent: OrderedDict[str, TrialRecord] = OrderedDict()
         self._limit = recent
         self._spool_dir = spool_dir
-        self._spool: IO[str] | None = None
+        self._spool: IO[bytes] | None = None
         self.count = self.failed = self.interrupted = 0
 
     def __len__(self) -> int:
@@ -97,13 +99,16 @@ class FinishedTrials:
         return keys
 
     def records(self) -> Iterator[TrialRecord]:
-        """Every record, those written out first (in the order they finished), then the recent ones."""
+        """Every record, those written out first (in the order they finished), then the recent ones. Each walk
+        reads the file at its own offset (pread): walks may interleave, and records may be added meanwhile."""
         if self._spool is not None:
             self._spool.flush()
-            self._spool.seek(0)
-            for line in self._spool:
-                yield TrialRecord(*json.loads(line))
-            self._spool.seek(0, 2)  # appends go on at the end
+            fd, offset, rest = self._spool.fileno(), 0, b""
+            while chunk := os.pread(fd, READ_BYTES, offset):
+                offset += len(chunk)
+                *lines, rest = (rest + chunk).split(b"\n")
+                for line in lines:
+                    yield TrialRecord(*json.loads(line))
         yield from list(self._recent.values())
 
     def close(self) -> None:
@@ -118,6 +123,5 @@ class FinishedTrials:
 
     def _write(self, record: TrialRecord) -> None:
         if self._spool is None:
-            self._spool = tempfile.TemporaryFile("w+", encoding="utf-8", prefix=".hpc-garage-trials-",
-                                                 dir=self._spool_dir)
-        self._spool.write(json.dumps(record.row(), separators=(",", ":")) + "\n")
+            self._spool = tempfile.TemporaryFile("w+b", prefix=".hpc-garage-trials-", dir=self._spool_dir)
+        self._spool.write(json.dumps(record.row(), separators=(",", ":")).encode() + b"\n")
