@@ -62,3 +62,13 @@ def test_memory_stays_flat_as_trials_finish() -> None:
     assert growth < 100_000, growth  # 18,000 more records held in memory would take several MB
     assert len(trials) == 20000 and len(list(trials.records())) == 20000
     trials.close()
+
+
+def test_the_latest_4096_are_in_memory_as_the_docs_say() -> None:
+    trials = FinishedTrials()  # docs/how-to/large-jobs.md: "the latest 4,096 finished trials' records in memory"
+    for i in range(5000):
+        trials.add(record(i))
+    assert trials.get(record(5000 - 4096).key) is not None and record(4999).key in trials
+    assert trials.get(record(5000 - 4097).key) is None and record(0).key not in trials  # in the file
+    assert [r.key for r in trials.records()] == [record(i).key for i in range(5000)]
+    trials.close()
