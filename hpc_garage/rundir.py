@@ -19,8 +19,7 @@ which of several roots holds a job; nobody else joins a root and a job id.
     worker-jobs.json      the jobqueue launcher: worker jobs and events      people
     worker-logs/          worker jobs: `<job name>-<job id>.out` (SLURM)     people, the jobqueue launcher
     flow-runs             the task runner: COMMAND's flow runs, one a line   run (crash marking), progress
-    report.json           `run` as COMMAND ends (finished trials wait for    `hpc-garage report`
-                          it here in a file without a name)
+    report.json           `run` as COMMAND ends                              `hpc-garage report`
     metrics/              the flow (prefect/metrics.py): trials.json, the    status, report, Prefect
                           trials' reports (`<trial>.jsonl`), 0700            artifacts (cluster/artifacts.py)
     search.json           `hpc_garage.search`: its best, counts, GPU-hours   status, report
