@@ -207,19 +207,8 @@ def profiler_settings(env: Mapping[str, str]) -> dict[str, Any]:
     import dask.config
 
     user = dask.config.collect(paths=dask.config.paths, env=dict(env))  # the user's files and variables, no defaults
-    return {} if _configured(user, PROFILER_SETTING) else {PROFILER_SETTING: False}
-
-
-def _configured(config: Mapping[str, Any], key: str) -> bool:
-    node: Any = config
-    for part in key.split("."):
-        if not isinstance(node, Mapping):
-            return False
-        names = {name.replace("_", "-"): value for name, value in node.items()}
-        if part not in names:
-            return False
-        node = names[part]
-    return True
+    unset = object()
+    return {} if dask.config.get(PROFILER_SETTING, unset, config=user) is not unset else {PROFILER_SETTING: False}
 
 
 def dask_environment(settings: Mapping[str, Any]) -> dict[str, str]:
