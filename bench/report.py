@@ -171,7 +171,9 @@ def _extra(name: str, section: dict[str, Any]) -> list[str]:
             server = "–" if r.get("server_cpu_ms_per_trial") is None else f"{r['server_cpu_ms_per_trial']:.1f} ms"
             cores = ", ".join(f"{k} {v}" for k, v in r.get("cores_start_end", {}).items()) or "–"
             disk = "–" if r.get("database_mib") is None else f"{r['database_mib']:,.0f} MiB"
-            out.append(f"| {r['kind']} | {r['n']:,} | {r['trials_per_s']:.1f} | {r['per_1000_start_s']} s → "
+            recorded = f" ({r['trials_per_s_recorded']:.1f} recorded)" if r.get("trials_per_s_recorded") else ""
+            out.append(f"| {r['kind']} | {r['n']:,} | {r['trials_per_s']:.1f}{recorded} | "
+                       f"{r['per_1000_start_s']} s → "
                        f"{r['per_1000_end_s']} s | {rss} | {server} | {disk} | {cores} |")
         out.append("")
         for r in section["rows"]:

@@ -9,7 +9,8 @@ ThreadPoolTaskRunner (no cluster; at the middle size).
     python -m bench.scale --sizes 100000 --contenders hpc-garage --site lab-cpu --nodes 2 --store   # a batch job
 
 Each row is one `hpc-garage run` with a HOME of its own (so its own Prefect server and database, stopped after):
-trials/s (the flow's first submission to its last result read), the time per 1,000 trials at the start (the second
+trials/s (the flow's first submission to its last result read; and to the flow's return, once Prefect's server
+has recorded every trial: `trials_per_s_recorded`), the time per 1,000 trials at the start (the second
 1,000: the first includes the workers' first imports) and at the end (the last 1,000), from the trials' own end
 times; peak RSS summed by process kind (the scheduler = `run`'s process, the flow, the workers, the Prefect server
 and its database) sampled every second; the server's CPU per trial over the flow's life; and how long
@@ -149,8 +150,11 @@ def measure(kind: str, n: int, ui: bool = False, job: Job | None = None) -> dict
     row = {**said, "right": flow["right"], "seconds": flow["seconds"], "run_seconds": round(wall, 1),
            "trials_per_s": round(n / flow["seconds"], 1), **per_thousand(flow["ends"], n), **measured,
            "server_cpu_ms_per_trial": sampler.server_cpu_ms(n), "cores_start_end": sampler.cores_by_kind(),
-           **{k: flow[k] for k in ("limit", "peak_in_flight", "released") if k in flow}, **seen}
-    say(f"scale: {kind} {n:,}: {row['trials_per_s']} trials/s, per 1,000 {row['per_1000_start_s']} s → "
+           **({"trials_per_s_recorded": round(n / flow["recorded_s"], 1)} if flow.get("recorded_s") else {}),
+           **{k: flow[k] for k in ("limit", "peak_in_flight", "released", "recorded_s", "waited_for_server_s")
+              if k in flow}, **seen}
+    say(f"scale: {kind} {n:,}: {row['trials_per_s']} trials/s ({row.get('trials_per_s_recorded')} to the flow's "
+        f"return, every trial recorded), per 1,000 {row['per_1000_start_s']} s → "
         f"{row['per_1000_end_s']} s, RSS {row['peak_rss_mib']} MiB, server {row['server_cpu_ms_per_trial']} ms/trial, "
         f"database {row['database_mib']} MiB on disk"
         + "".join(f", `status{' JOBID' if what == 'job' else ''}` median {statistics.median(xs):.2f} s, max "

@@ -1,7 +1,7 @@
 """(issue 32) The flow `python -m bench --only scale` runs under `hpc-garage run --site local`: N trivial tagged
 trials written as a user writes them, `[f.result() for f in trial.map(range(N))]`; it writes how long that took,
 each trial's end (seconds since the flow's start) and whether every result was right to the JSON file named on
-its command line.
+its command line, and when the flow returned (its runner waits until Prefect's server recorded every trial).
 
     hpc-garage run --site local -- python -m bench.scale_flow N OUT.json [hpc-garage|dask|prefect-dask|threads] [LIMIT]
 
@@ -78,7 +78,7 @@ def main(argv: list[str]) -> int:
     else:
         @flow(task_runner=runner(kind, limit), name=f"bench-scale-{kind}")
         def sweep(n: int) -> dict[str, Any]:
-            start = time.time()
+            start = began[0] = time.time()
             with tags("dask-resource:CPU=1"):
                 futures = trial.map(range(n))
             values = [f.result() for f in futures]
@@ -88,9 +88,14 @@ def main(argv: list[str]) -> int:
             gate, releaser = getattr(runner_in_use(), "_in_flight", None), getattr(runner_in_use(), "_releaser", None)
             if gate is not None and releaser is not None:
                 found |= {"peak_in_flight": gate.peak, "limit": gate.limit(), "released": releaser.released}
+            if (unrecorded := getattr(gate, "unrecorded", None)) is not None:  # recorded.py: waits for the server
+                found["waited_for_server_s"] = round(unrecorded.waited, 1)
             return found
 
+        began = [0.0]
         found = sweep(n)
+        # the flow's return: its runner's end waited until Prefect's server recorded every finished trial
+        found["recorded_s"] = round(time.time() - began[0], 3)
     with open(out, "w") as sink:
         json.dump(found, sink)
     return 0 if found["right"] else 1

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import time
+from typing import Any
 import inspect
 
 import pytest
@@ -65,6 +67,61 @@ def test_a_cached_no_limits_answer_is_read_in_the_tasks_own_thread(monkeypatch) 
     _sync.acquire_concurrency_slots_with_lease(["tag:a", "tag:b"], 1, strict=True, holder=task_run)
     _sync.acquire_concurrency_slots_with_lease(["tag:a", "tag:b"], 1, holder=None)  # not a task run's tags
     assert asked == [["tag:c"], ["tag:a", "tag:b"], ["tag:a", "tag:b"]]
+
+
+def test_an_expired_no_limits_answer_is_asked_again_in_the_background(monkeypatch) -> None:  # noqa: ANN001
+    """Once Prefect's cache of "no limits" expires, trials are not held while the API is asked again (a busy
+    server stalled every thread of a worker for up to 38 s): one background question per tag set; where limits
+    exist now, the slot it took is given back and the next trials take Prefect's own path."""
+    import threading
+    import uuid
+
+    import cachetools
+    from prefect.client.schemas.objects import ConcurrencyLeaseHolder
+    from prefect.client.schemas.responses import ConcurrencyLimitWithLeaseResponse
+    from prefect.concurrency import _sync
+
+    from hpc_garage import compat
+
+    asked: list[list[str]] = []
+    released: list[Any] = []
+    answering, limits = threading.Event(), []
+    lease = uuid.uuid4()
+
+    def prefects(names: list[str], *args: Any, **kwargs: Any) -> Any:
+        asked.append(names)
+        assert answering.wait(10)
+        return ConcurrencyLimitWithLeaseResponse.model_validate({"lease_id": str(lease), "limits": limits})
+
+    monkeypatch.setattr(_sync, "acquire_concurrency_slots_with_lease", prefects)
+    monkeypatch.setattr(_sync, "release_concurrency_slots_with_lease", released.append, raising=False)
+    monkeypatch.setattr(_sync, "_hpc_garage_in_thread", False, raising=False)
+    monkeypatch.setattr(services, "_no_limits_cache", cachetools.TTLCache(maxsize=10, ttl=60))
+    assert compat.answer_cached_tag_limits_in_thread(stale_for=600) is True
+    task_run = ConcurrencyLeaseHolder(type="task_run", id=uuid.uuid4())
+    services._no_limits_cache[frozenset(["tag:a"])] = True
+    assert _sync.acquire_concurrency_slots_with_lease(["tag:a"], 1, holder=task_run).limits == []
+    services._no_limits_cache.clear()  # expired
+    answers = [_sync.acquire_concurrency_slots_with_lease(["tag:a"], 1, holder=task_run) for _ in range(20)]
+    assert all(a.limits == [] for a in answers) and asked == [["tag:a"]]  # answered at once; asked once, aside
+    limits.append({"id": str(uuid.uuid4()), "name": "tag:a", "limit": 1})  # a limit created meanwhile
+    answering.set()
+    deadline = time.monotonic() + 10
+    while not released and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert released == [lease]  # the slot the background question took, given back
+    assert _sync.acquire_concurrency_slots_with_lease(["tag:a"], 1, holder=task_run).limits  # Prefect's path now
+    assert asked == [["tag:a"], ["tag:a"]]
+    assert _sync.acquire_concurrency_slots_with_lease(["tag:b"], 1, holder=task_run).limits  # never seen free
+
+
+def test_the_docs_say_how_long_a_no_limits_answer_stands() -> None:
+    """docs/explanation/speed.md's figures, literally: 60 s, then up to 10 minutes asked again in the background."""
+    from pathlib import Path
+
+    text = " ".join((Path(__file__).parents[1] / "docs" / "explanation" / "speed.md").read_text().split())
+    assert prefect_fast.TAG_LIMITS_TTL == 60 and "hpc-garage's workers for 60 s" in text
+    assert prefect_fast.TAG_LIMITS_STALE == 600 and "with the last answer (for up to 10 minutes;" in text
 
 
 @pytest.mark.slow  # a real Prefect server (fixture `api`)

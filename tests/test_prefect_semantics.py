@@ -29,7 +29,7 @@ from prefect_dask.task_runners import PrefectDaskFuture
 from hpc_garage.cluster.handoff import Handoff
 from hpc_garage.rundir import RunDir
 from hpc_garage.core.errors import UserError
-from hpc_garage.prefect import fast as prefect_fast
+from hpc_garage.prefect import recorded
 from hpc_garage.prefect.task_runner import HpcTaskRunner, task_runner
 from tests.conftest import task_runs
 
@@ -213,7 +213,7 @@ def test_a_flow_with_a_failed_trial_ends_soon_after_its_last_task(runner: HpcTas
     assert states == [*[("summarize", "Completed")] * 3, ("summarize", "NotReady"),
                       *[("trial", "Completed")] * 3, ("trial", "Failed")]
     # and the count it would warn with is of the runs the API lacks, not of their batch
-    assert prefect_fast.await_recorded([*ids, uuid.uuid4()], timeout=0.5) == 1
+    assert recorded.await_recorded([*ids, uuid.uuid4()], timeout=0.5) == 1
 
 
 # ----------------------------------------------------------------------------- Prefect's test harness

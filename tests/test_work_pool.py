@@ -813,12 +813,16 @@ def test_run_once_submits_and_exits_and_a_later_call_settles_the_job(garage: Gar
     garage.worker.send_signal(signal.SIGINT)  # no long-running worker from here on
     garage.worker.wait(60)
     once = [PY, "-m", "hpc_garage", "worker", "--pool", POOL, "--run-once"]
+    # the job waits in the queue until it is cancelled: one that had started its flow run would be ended by
+    # Prefect's own engine on scancel's SIGTERM (Crashed, "aborted by a termination signal"), leaving nothing to
+    # settle (seen once under load, when the job started before the scancel)
     flow_run_id = garage.run({"seeds": 1, "lrs": [0.1], "duration": 60, "out": "/dev/null"},
-                             {"nodes": 1, "gpus_per_node": 1})
+                             {"nodes": 1, "gpus_per_node": 1, "scheduler_options": ["--begin=now+600"]})
     done = subprocess.run(once, env=garage.env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0 and "submitted job" in done.stdout + done.stderr, done.stdout + done.stderr
     (record,) = garage.records(flow_run_id)
-    assert _queued(record["job_id"]) and garage.flow_run(flow_run_id)["infrastructure_pid"] == record["job_id"]
+    state = subprocess.run(["squeue", "-h", "-j", record["job_id"], "-o", "%T"], capture_output=True, text=True)
+    assert state.stdout.strip() == "PENDING" and garage.flow_run(flow_run_id)["infrastructure_pid"] == record["job_id"]
     subprocess.run(["scancel", record["job_id"]], check=True)
     wait_gone(record["job_id"], 240)  # COMPLETING too: the later call settles a job that has ended, not one ending
     again = subprocess.run(once, env=garage.env, capture_output=True, text=True, timeout=180)

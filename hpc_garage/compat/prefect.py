@@ -93,13 +93,22 @@ def _cached_no_limits(services: Any, names: Any, holder: Any) -> bool:
 
 
 @uses("prefect", "prefect.concurrency._sync.acquire_concurrency_slots_with_lease (the module-level name the sync "
-                 "concurrency() calls) / services._should_use_cache / _no_limits_cache / _cache_lock")
-def answer_cached_tag_limits_in_thread(bypassed: Callable[[], bool] = lambda: False) -> bool:
+                 "concurrency() calls) / release_concurrency_slots_with_lease / services._should_use_cache / "
+                 "_no_limits_cache / _cache_lock")
+def answer_cached_tag_limits_in_thread(bypassed: Callable[[], bool] = lambda: False, stale_for: float = 0.0) -> bool:
     """Before each tagged task Prefect's sync `concurrency()` hops to its event-loop thread and on into the
     acquisition service's, only to read "no limits for these tags" from its own cache there: two thread hops
     per trial, about 5 % of a worker's CPU on trivial trials. Where that cache holds the answer, it is read
     in the task's own thread and the same empty response returned (not the DEBUG line "do not exist -
-    skipping acquisition"); otherwise Prefect's path runs. Fallback where the names are gone: False."""
+    skipping acquisition"); otherwise Prefect's path runs. Fallback where the names are gone: False.
+
+    With `stale_for`: once the cache's answer expires, the task does not wait for the API's next one (a busy
+    server took up to 38 s, and every thread of a worker waited at once). Tags the cache called limit-free
+    within `stale_for` s are answered so again while one thread per tag set asks Prefect's own question in the
+    background; its answer refills the cache, and a slot it took because limits exist now is given back at once
+    (the next trials then take Prefect's path and honour them)."""
+    import threading
+
     from prefect.concurrency import _sync, services
 
     if getattr(_sync, "_hpc_garage_in_thread", False):
@@ -113,12 +122,42 @@ def answer_cached_tag_limits_in_thread(bypassed: Callable[[], bool] = lambda: Fa
         from prefect.client.schemas.responses import ConcurrencyLimitWithLeaseResponse
     except ImportError:
         return False
+    seen_free: dict[frozenset[str], float] = {}  # tag set -> when the cache last said "no limits" here
+    asking: set[frozenset[str]] = set()  # tag sets whose question is being asked in the background
+    lock = threading.Lock()
+
+    def empty() -> Any:
+        return ConcurrencyLimitWithLeaseResponse.model_validate({"lease_id": str(uuid.uuid4()), "limits": []})
+
+    def ask_again(key: frozenset[str], names: list[str], slots: int, kwargs: dict[str, Any]) -> None:
+        try:
+            answer = own(names, slots, **kwargs)
+            if answer.limits:  # limits exist now: this slot was taken for nothing
+                with lock:
+                    seen_free.pop(key, None)
+                getattr(_sync, "release_concurrency_slots_with_lease")(answer.lease_id)
+        except Exception:  # noqa: BLE001 - asked again at the next miss; past stale_for, Prefect's path decides
+            pass
+        finally:
+            with lock:
+                asking.discard(key)
 
     def acquire(names: list[str], slots: int, *args: Any, **kwargs: Any) -> Any:  # concurrency() passes keywords
-        if not args and not kwargs.get("strict") and not bypassed() \
-                and _cached_no_limits(services, names, kwargs.get("holder")):
-            return ConcurrencyLimitWithLeaseResponse.model_validate({"lease_id": str(uuid.uuid4()), "limits": []})
-        return own(names, slots, *args, **kwargs)
+        if args or kwargs.get("strict") or bypassed():
+            return own(names, slots, *args, **kwargs)
+        key, now = frozenset(names), time.monotonic()
+        if _cached_no_limits(services, names, kwargs.get("holder")):
+            if stale_for:
+                with lock:
+                    seen_free[key] = now
+            return empty()
+        with lock:
+            stale = now - seen_free.get(key, -stale_for) < stale_for
+            if stale and key not in asking:
+                asking.add(key)
+                threading.Thread(target=ask_again, args=(key, list(names), slots, kwargs), daemon=True,
+                                 name="hpc-garage-tag-limits").start()
+        return empty() if stale else own(names, slots, *args, **kwargs)
 
     acquire.__wrapped__ = own  # type: ignore[attr-defined]
     _sync.acquire_concurrency_slots_with_lease = acquire

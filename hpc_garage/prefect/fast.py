@@ -19,13 +19,14 @@ every task and emitting every state event, log and result as under prefect-dask:
 - worker side (`run_task`): a SettingsContext is validated once per distinct settings hash per process,
   and a sync Prefect client is built and opened once per worker thread and settings hash; both are set as
   the current contexts before Prefect's engine starts, so `hydrated_context` uses them.
-- `await_recorded`: Prefect's server records task runs from events, a little after they finish; the
-  runner waits for that at the end of the flow, so the API shows every finished task when the flow returns.
 - tag concurrency: before each task Prefect asks the API whether its tags (`dask-resource:GPU=1`...) have
   concurrency limits, caching "none" for only 5 s per process. On a busy server that call stalled GPU
   trials for seconds while they held their GPU (the packing benchmark: 28-70 GPU-seconds lost per sweep
-  of 48 s of work). Workers keep "no limits for these tags" for TAG_LIMITS_TTL (60 s) instead: what differs
-  is that a tag limit created during a run binds this run's tasks within a minute, not within 5 s.
+  of 48 s of work). Workers keep "no limits for these tags" for TAG_LIMITS_TTL (60 s) instead, and then ask
+  again in the background while trials go on with that answer (up to TAG_LIMITS_STALE): asked in the trial,
+  the question stalled every thread of a worker for up to 38 s on a busy server (a 2-node job: the last 1,000
+  of 10,000 trials took 43 s where each 1,000 before took 4.5). What differs is that a tag limit created
+  during a run binds this run's tasks within a minute and the API's answer, not within 5 s.
 
 It relies on Prefect internals (`serialize_context`'s parts and the private deployment context variables,
 `hydrated_context` skipping an empty `settings_context` and taking its client from `SyncClientContext`,
@@ -60,11 +61,11 @@ from hpc_garage import log
 from hpc_garage.prefect.shared import Pickled, Publisher, Shared, value
 from hpc_garage.variables import PREFECT_FAST, switch
 
-__all__ = ["SettingsPayload", "Submitter", "TaskCall", "await_recorded", "problem", "run_task", "worker_stats"]
+__all__ = ["SettingsPayload", "Submitter", "TaskCall", "problem", "run_task", "worker_stats"]
 
 DISABLE_ENV = PREFECT_FAST
 TAG_LIMITS_TTL = 60.0  # s a worker trusts "these tags have no concurrency limits" (Prefect's own: 5 s)
-NOT_READY = "NotReady"  # the Pending state Prefect's engine leaves a task in when an upstream did not complete
+TAG_LIMITS_STALE = 600.0  # s past it that answer still stands while the API is asked again in the background
 CONTEXT_KEYS = frozenset({"flow_run_context", "task_run_context", "tags_context", "settings_context",
                           "asset_context", "deployment_id", "deployment_parameters"})
 
@@ -232,50 +233,6 @@ def forget_no_assets(task_run_id: uuid.UUID) -> None:
         del context.task_run_assets[task_run_id]
 
 
-def await_recorded(task_run_ids: list[uuid.UUID], timeout: float) -> int:
-    """Wait until Prefect's API holds each of these task runs in the state its engine ended it in; return
-    how many it lacks.
-
-    Prefect 3 records task runs from the events their workers send, and the server persists them a little
-    later (here 2–6 s behind 300 tasks at ~60 tasks/s). Waiting at the end of the flow keeps what plain
-    prefect-dask's slowness gave for free: when the flow returns, the API shows every finished task.
-    A task whose upstream failed ends NotReady, a Pending state that is its last: it counts as recorded
-    (waiting for a final state there held every flow with a failed trial for the whole timeout).
-    The server is asked for counts only, with backoff: it is busy catching up.
-    """
-    import time
-
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import (Operator, TaskRunFilter, TaskRunFilterId, TaskRunFilterState,
-                                                TaskRunFilterStateName, TaskRunFilterStateType)
-    from prefect.client.schemas.objects import StateType
-
-    ended = TaskRunFilterState(
-        operator=Operator.or_,
-        type=TaskRunFilterStateType(any_=[StateType.COMPLETED, StateType.FAILED, StateType.CRASHED,
-                                          StateType.CANCELLED]),
-        name=TaskRunFilterStateName(any_=[NOT_READY]))
-    ids = list(dict.fromkeys(task_run_ids))
-    chunks = [ids[i:i + 1000] for i in range(0, len(ids), 1000)]
-    deadline, pause, missing = time.monotonic() + timeout, 0.1, len(ids)
-    with get_client(sync_client=True) as client:
-
-        def lacking(chunk: list[uuid.UUID]) -> int:
-            body = TaskRunFilter(id=TaskRunFilterId(any_=chunk), state=ended).model_dump(mode="json")
-            response = client.request("POST", "/task_runs/count", json={"task_runs": body})
-            response.raise_for_status()
-            return max(0, len(chunk) - int(response.json()))
-
-        while chunks:
-            counts = [(c, lacking(c)) for c in chunks]
-            chunks, missing = [c for c, n in counts if n], sum(n for _, n in counts)
-            if not chunks or time.monotonic() > deadline:
-                break
-            time.sleep(pause)
-            pause = min(pause * 1.5, 2.0)
-    return missing
-
-
 # ---------------------------------------------------------------------------------------- worker side
 
 
@@ -329,7 +286,7 @@ def trust_no_tag_limits_longer(ttl: float = TAG_LIMITS_TTL) -> bool:
     _tuned.append(True)
     log.setup()  # once per worker process, at its first task: its lines reach the job log
     tag_limits_survive_outages(is_outage_error, api_answers, logger.info, bypassed)
-    answer_cached_tag_limits_in_thread(bypassed)
+    answer_cached_tag_limits_in_thread(bypassed, stale_for=TAG_LIMITS_STALE)
     return stretch_no_tag_limits_cache(ttl)
 
 

@@ -7,7 +7,7 @@ computed: 100,000 trivial trials took 6 GB in the scheduler and 7 GB in two work
 
 What this module does, with every trial still one Prefect task run that Prefect's engine runs and records:
 - back-pressure (`InFlight`): before each submission the flow's thread waits while `limit` of the runner's
-  tasks are unfinished in Dask. `task_runner(max_in_flight=N)` sets it; the default is sized to the
+  tasks are unfinished in Dask (and while Prefect's server is far behind recording them: recorded.py). `task_runner(max_in_flight=N)` sets it; the default is sized to the
   workers (PER_THREAD per worker thread, at least MINIMUM), re-asked as workers join;
 - release (`Releaser`): a finished task whose result Prefect persists (under `hpc-garage run`, the sweep's
   results directory, sweep_cache.py) is gathered as its final State, and its Dask future dropped, so the
@@ -63,8 +63,10 @@ def default_limit(threads: int) -> int:
 class InFlight:
     """How many of a runner's tasks are unfinished in Dask, and the wait that keeps it under the limit."""
 
-    def __init__(self, limit: int | None, threads: Callable[[], int], clock: Callable[[], float] = time.monotonic):
+    def __init__(self, limit: int | None, threads: Callable[[], int], clock: Callable[[], float] = time.monotonic,
+                 unrecorded: Any = None):
         self._fixed, self._threads, self._clock = limit, threads, clock
+        self.unrecorded = unrecorded  # recorded.Unrecorded: Prefect's server kept within reach, or None
         self._limit: int | None = limit
         self._asked = -RECHECK
         self._count = 0
@@ -90,7 +92,10 @@ class InFlight:
         return self._limit
 
     def admit(self) -> None:
-        """Wait (the flow's thread) until one more task may be in flight, and count it."""
+        """Wait (the flow's thread) until one more task may be in flight, and count it; first, while Prefect's
+        server is far behind recording the finished ones (outside the lock: it may ask the API)."""
+        if self.unrecorded is not None:
+            self.unrecorded.wait()
         with self._cond:
             while self._count >= self.limit():
                 self._cond.wait(RECHECK)
@@ -225,6 +230,10 @@ class Ends:
             if dask_future.status == "finished":
                 self._finished += run_id.bytes
             self._cond.notify_all()
+
+    def count(self) -> int:
+        """How many task runs' Dask futures finished (cheap: asked before each submission)."""
+        return len(self._finished) // 16
 
     @property
     def finished(self) -> list[uuid.UUID]:

@@ -37,7 +37,7 @@ from prefect_dask import DaskTaskRunner
 from hpc_garage import log
 from hpc_garage.compat import dask_futures, runner_has_cluster, runner_started
 from hpc_garage.prefect import fast as prefect_fast
-from hpc_garage.prefect import in_flight, outage, refusals
+from hpc_garage.prefect import in_flight, outage, recorded, refusals
 from hpc_garage.prefect.flow_api import local_address_towards, settle_api
 from hpc_garage.prefect.metrics import TrialMetrics
 from hpc_garage.pruning import check_settings
@@ -222,7 +222,8 @@ class HpcTaskRunner(DaskTaskRunner):
         """prefect-dask's submit, with its per-task set-up done once per worker (prefect_fast) where it can be."""
         call = self._fast_call(task, parameters, wait_for, dependencies)
         if self._in_flight is None:
-            self._in_flight = in_flight.InFlight(self.max_in_flight, in_flight.client_threads(lambda: self.client))
+            self._in_flight = in_flight.InFlight(self.max_in_flight, in_flight.client_threads(lambda: self.client),
+                                                 unrecorded=recorded.for_flow_run(self._ends.count))
             self._releaser = in_flight.Releaser(lambda: self.client)
         (gate := self._in_flight).admit()  # back-pressure: waits while max_in_flight tasks are unfinished
         released = call is not None and in_flight.releases(task)
@@ -270,7 +271,7 @@ class HpcTaskRunner(DaskTaskRunner):
         if not finished:
             return
         try:
-            missing = prefect_fast.await_recorded(finished, self.RECORD_TIMEOUT)
+            missing = recorded.await_recorded(finished, self.RECORD_TIMEOUT)
         except Exception as exc:  # noqa: BLE001 - the flow's own outcome matters more than this check
             self.logger.warning(f"hpc-garage: could not confirm the task runs with Prefect's API: {exc}")
             return
