@@ -113,6 +113,11 @@ def test_an_expired_no_limits_answer_is_asked_again_in_the_background(monkeypatc
     assert _sync.acquire_concurrency_slots_with_lease(["tag:a"], 1, holder=task_run).limits  # Prefect's path now
     assert asked == [["tag:a"], ["tag:a"]]
     assert _sync.acquire_concurrency_slots_with_lease(["tag:b"], 1, holder=task_run).limits  # never seen free
+    services._no_limits_cache[frozenset(["tag:c"])] = True
+    assert _sync.acquire_concurrency_slots_with_lease(["tag:c"], 1, holder=task_run).limits == []  # seen free
+    services._no_limits_cache.clear()
+    assert _sync.acquire_concurrency_slots_with_lease(["tag:c"], 1, holder=None).limits  # not a task run's: Prefect's
+    assert asked == [["tag:a"], ["tag:a"], ["tag:b"], ["tag:c"]]
 
 
 def test_the_docs_say_how_long_a_no_limits_answer_stands() -> None:

@@ -135,7 +135,7 @@ def answer_cached_tag_limits_in_thread(bypassed: Callable[[], bool] = lambda: Fa
             if answer.limits:  # limits exist now: this slot was taken for nothing
                 with lock:
                     seen_free.pop(key, None)
-                getattr(_sync, "release_concurrency_slots_with_lease")(answer.lease_id)
+                _sync.release_concurrency_slots_with_lease(answer.lease_id)
         except Exception:  # noqa: BLE001 - asked again at the next miss; past stale_for, Prefect's path decides
             pass
         finally:
@@ -145,12 +145,14 @@ def answer_cached_tag_limits_in_thread(bypassed: Callable[[], bool] = lambda: Fa
     def acquire(names: list[str], slots: int, *args: Any, **kwargs: Any) -> Any:  # concurrency() passes keywords
         if args or kwargs.get("strict") or bypassed():
             return own(names, slots, *args, **kwargs)
-        key, now = frozenset(names), time.monotonic()
-        if _cached_no_limits(services, names, kwargs.get("holder")):
+        key, now, holder = frozenset(names), time.monotonic(), kwargs.get("holder")
+        if _cached_no_limits(services, names, holder):
             if stale_for:
                 with lock:
                     seen_free[key] = now
             return empty()
+        if not stale_for or not services._should_use_cache(list(names), holder):  # Prefect's cache would not either
+            return own(names, slots, *args, **kwargs)
         with lock:
             stale = now - seen_free.get(key, -stale_for) < stale_for
             if stale and key not in asking:

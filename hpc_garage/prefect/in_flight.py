@@ -7,8 +7,9 @@ computed: 100,000 trivial trials took 6 GB in the scheduler and 7 GB in two work
 
 What this module does, with every trial still one Prefect task run that Prefect's engine runs and records:
 - back-pressure (`InFlight`): before each submission the flow's thread waits while `limit` of the runner's
-  tasks are unfinished in Dask (and while Prefect's server is far behind recording them: recorded.py). `task_runner(max_in_flight=N)` sets it; the default is sized to the
-  workers (PER_THREAD per worker thread, at least MINIMUM), re-asked as workers join;
+  tasks are unfinished in Dask (and while Prefect's server is far behind recording them: recorded.py).
+  `task_runner(max_in_flight=N)` sets it; the default is sized to the workers (PER_THREAD per worker thread, at
+  least MINIMUM), re-asked as workers join;
 - release (`Releaser`): a finished task whose result Prefect persists (under `hpc-garage run`, the sweep's
   results directory, sweep_cache.py) is gathered as its final State, and its Dask future dropped, so the
   scheduler and its worker forget it. The worker sends the State with the result's record metadata in place

@@ -89,8 +89,10 @@ class Unrecorded:
 
     def wait(self) -> None:
         """Wait (the flow's thread) while the server has more than `limit` of the runner's finished tasks to record."""
+        if self._base is None or self.behind() <= self.limit:
+            return  # the submission's hot path: nothing asked, nothing timed
         began = stalled = self._clock()
-        while self._base is not None and self.behind() > self.limit and self._clock() >= self._next_ask:
+        while self.behind() > self.limit and self._clock() >= self._next_ask:
             before = self._recorded
             try:
                 self._recorded = self._count() - self._base
