@@ -127,15 +127,22 @@ def test_count_ended_body_names_the_flow_run_and_the_ended_states() -> None:
 @pytest.mark.slow
 def test_a_flow_whose_server_falls_behind_waits_for_it(api: dict[str, str], cluster: Any,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """300 trials on the real server and cluster with a bound of 10 unrecorded: the flow waits for the server
-    (it records in batches, seconds behind), every result is right, and what the runner counted as recorded is
-    what the API holds for the flow run when it returns."""
+    """300 trials on the real server and cluster with a bound of 10 unrecorded. The server is made to fall behind,
+    not hoped to: its SQLite database is write-locked while the first 30 trials run and for 2 s after (its API
+    still reads: WAL), so the flow's next submission has 30 finished trials the server has not recorded. The flow
+    waits until the server records them, every result is right, and the API holds every trial when it returns."""
+    import sqlite3
+    import threading
+
     from prefect import flow, task
     from prefect.context import FlowRunContext
 
     import hpc_garage
+    from hpc_garage.prefect.server import ServerDir
 
     monkeypatch.setattr(recorded, "MAX_UNRECORDED", 10)
+    database = ServerDir.here().home / "prefect.db"
+    assert database.is_file(), database
     seen: dict[str, Any] = {}
 
     @task
@@ -144,13 +151,19 @@ def test_a_flow_whose_server_falls_behind_waits_for_it(api: dict[str, str], clus
 
     @flow(task_runner=hpc_garage.task_runner(address=cluster.scheduler_address))
     def sweep(n: int) -> list[int]:
-        values = [f.result() for f in trial.map(range(n))]
+        lock = sqlite3.connect(database, timeout=30, check_same_thread=False, isolation_level=None)
+        lock.execute("BEGIN EXCLUSIVE")  # the server's writes wait; its reads go on
+        first = [f.result() for f in trial.map(range(30))]
+        seen.update(ended=recorded.count_ended(FlowRunContext.get().flow_run.id))
+        threading.Timer(2.0, lambda: (lock.execute("ROLLBACK"), lock.close())).start()
+        values = first + [f.result() for f in trial.map(range(30, n))]
         unrecorded = FlowRunContext.get().task_runner._in_flight.unrecorded
         seen.update(limit=unrecorded.limit, waited=unrecorded.waited, flow_run_id=FlowRunContext.get().flow_run.id)
         return values
 
     assert sweep(300) == [3 * i for i in range(300)]
-    assert seen["limit"] == 10 and seen["waited"] > 0, seen
+    assert seen["ended"] == 0, seen  # the server had recorded none of the first 30
+    assert seen["limit"] == 10 and seen["waited"] >= 1.0, seen  # so the flow waited until it had
     assert recorded.count_ended(seen["flow_run_id"]) == 300
 
 
