@@ -15,7 +15,9 @@ has recorded every trial: `trials_per_s_recorded`), the time per 1,000 trials at
 times; peak RSS summed by process kind (the scheduler = `run`'s process, the flow, the workers, the Prefect server
 and its database) sampled every second; the server's CPU per trial over the flow's life; and how long
 `hpc-garage status` and `hpc-garage status JOBID` take while the run runs (every 10 s, a fresh CLI each time);
-and the server's database on disk once the server has stopped (issue 32: how it grows per 100,000 trials).
+and the server's database on disk once the server has stopped (issue 32: how it grows per 100,000 trials), with
+the events its log says it dropped (Prefect's in-memory bus holds 10,000 a subscriber) and those it stored. A
+failed row's job logs and its server log's end are kept in bench/results/failed/.
 With --site (hpc-garage's row only), the same flow is a batch job: `hpc-garage submit --site SITE -N NODES --wait
 bench/scale_flow.py N ...` on the local SLURM, its processes (each node's, on this one host) sampled the same way.
 """
@@ -23,10 +25,13 @@ bench/scale_flow.py N ...` on the local SLURM, its processes (each node's, on th
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import json
 import re
 import statistics
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -142,10 +147,12 @@ def measure(kind: str, n: int, ui: bool = False, job: Job | None = None) -> dict
             subprocess.run([str(BIN / "hpc-garage"), "server", "stop", "--force"], env=env, cwd=home,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)
         measured = {"peak_rss_mib": sampler.peak_mib(), "database_mib": database_mib(Path(home)),
-                    **({"status_s": probe.figures()} if probe is not None else {})}
+                    **server_events(Path(home)), **({"status_s": probe.figures()} if probe is not None else {})}
         if process.returncode != 0 or not out.exists():
-            say(f"scale: {kind} {n:,}: exit {process.returncode}: {stderr.strip().splitlines()[-1:]}")
-            return {**said, "right": False, "error": f"exit code {process.returncode}", **measured}  # kept
+            kept = keep_logs(Path(home), f"{time.strftime('%Y%m%d-%H%M%S')}-scale-{kind}-{n}")
+            say(f"scale: {kind} {n:,}: exit {process.returncode}: {stderr.strip().splitlines()[-1:]}; logs in {kept}")
+            return {**said, "right": False, "error": f"exit code {process.returncode}", "logs": str(kept),
+                    **measured}
         flow = json.loads(out.read_text())
     row = {**said, "right": flow["right"], "seconds": flow["seconds"], "run_seconds": round(wall, 1),
            "trials_per_s": round(n / flow["seconds"], 1), **per_thousand(flow["ends"], n), **measured,
@@ -156,7 +163,8 @@ def measure(kind: str, n: int, ui: bool = False, job: Job | None = None) -> dict
     say(f"scale: {kind} {n:,}: {row['trials_per_s']} trials/s ({row.get('trials_per_s_recorded')} to the flow's "
         f"return, every trial recorded), per 1,000 {row['per_1000_start_s']} s → "
         f"{row['per_1000_end_s']} s, RSS {row['peak_rss_mib']} MiB, server {row['server_cpu_ms_per_trial']} ms/trial, "
-        f"database {row['database_mib']} MiB on disk"
+        f"database {row['database_mib']} MiB on disk, events the server dropped {row.get('events_dropped')} "
+        f"(stored {row.get('events_stored')})"
         + "".join(f", `status{' JOBID' if what == 'job' else ''}` median {statistics.median(xs):.2f} s, max "
                   f"{max(xs):.2f} s" for what, xs in (row.get("status_s") or {}).items()))
     return row
@@ -185,6 +193,43 @@ def database_mib(home: Path) -> float | None:
     if marks := sorted(state.rglob("PG_VERSION"), key=lambda p: len(p.parts)):
         files += [p for p in marks[0].parent.rglob("*") if p.is_file()]
     return round(sum(p.stat().st_size for p in files) / 2**20, 1) if files else None
+
+
+DROPPED = ("Subscription queue is full, dropping message", "Event queue full")  # Prefect's server, one line each
+SAID_DROPPED = re.compile(r": (\d+) event\(s\) dropped since this was last said")  # serve.DroppedEvents' line
+
+
+def server_events(home: Path) -> dict[str, int]:
+    """What the stopped server under `home` kept of the events it was sent: the events its log says Prefect
+    dropped (its in-memory bus holds 10,000 a subscriber; a line each, or hpc-garage's line a minute with their
+    count), and the events its SQLite database holds."""
+    import sqlite3
+
+    found: dict[str, int] = {}
+    for log in (home / ".hpc-garage" / "prefect").glob("*/server.log"):
+        with log.open(errors="replace") as lines:
+            for line in lines:
+                if any(d in line for d in DROPPED):
+                    said = SAID_DROPPED.search(line)
+                    found["events_dropped"] = found.get("events_dropped", 0) + (int(said[1]) if said else 1)
+    for database in (home / ".hpc-garage" / "prefect").glob("*/home/prefect.db"):
+        with contextlib.closing(sqlite3.connect(f"file:{database}?mode=ro", uri=True)) as db:
+            stored = db.execute("SELECT count(*) FROM events").fetchone()[0]
+        found["events_stored"] = found.get("events_stored", 0) + stored
+    return found
+
+
+def keep_logs(home: Path, name: str) -> Path:
+    """A failed row's job logs and the last 400 lines of its server's log, kept in bench/results/failed/NAME
+    (its HOME goes with the row)."""
+    kept = ROOT / "bench" / "results" / "failed" / name
+    kept.mkdir(parents=True, exist_ok=True)
+    for log in (home / ".hpc-garage" / "runs").glob("*.out"):
+        shutil.copy(log, kept / log.name)
+    for log in (home / ".hpc-garage" / "prefect").glob("*/server.log"):
+        with log.open(errors="replace") as lines:
+            (kept / f"server-{log.parent.name}.log").write_text("".join(collections.deque(lines, maxlen=400)))
+    return kept
 
 
 def per_thousand(ends: list[float], n: int) -> dict[str, float | None]:

@@ -458,6 +458,38 @@ def test_scale_bench_measures_the_servers_database_on_disk(tmp_path: Path) -> No
     assert database_mib(tmp_path) == 2.5  # the data directory (from its top PG_VERSION) counted once
 
 
+def test_scale_bench_counts_the_events_the_server_dropped_and_stored_and_keeps_a_failed_rows_logs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import sqlite3
+
+    from bench import scale
+    from hpc_garage.prefect.server.serve import DROP_LINES, DroppedEvents
+
+    MEMORY = "prefect.server.utilities.messaging.memory"  # noqa: N806
+    state = tmp_path / ".hpc-garage" / "prefect" / "host"
+    assert scale.server_events(tmp_path) == {}  # no server ran under this HOME
+    (state / "home").mkdir(parents=True)
+    line = "19:32:18.227 | WARNING | prefect.server.utilities.messaging.memory - {} for topic='events'\n"
+    (state / "server.log").write_text(line.format("Subscription queue is full, dropping message") * 3
+                                      + line.format("Delivered message") + "Event queue full (5/5), dropping event\n"
+                                      + line.format(DroppedEvents.SAYS % (DROP_LINES[MEMORY], 12, 16)))
+    db = sqlite3.connect(state / "home" / "prefect.db")
+    db.execute("CREATE TABLE events (id TEXT)")
+    db.executemany("INSERT INTO events VALUES (?)", [("a",), ("b",)])
+    db.commit()
+    db.close()
+    assert scale.server_events(tmp_path) == {"events_dropped": 16, "events_stored": 2}
+
+    monkeypatch.setattr(scale, "ROOT", tmp_path / "repo")
+    (tmp_path / ".hpc-garage" / "runs").mkdir()
+    (tmp_path / ".hpc-garage" / "runs" / "64.out").write_text("the job's log\n")
+    (state / "server.log").write_text("".join(f"{i}\n" for i in range(1000)))
+    kept = scale.keep_logs(tmp_path, "row")
+    assert kept == tmp_path / "repo" / "bench" / "results" / "failed" / "row"
+    assert (kept / "64.out").read_text() == "the job's log\n"
+    assert (kept / "server-host.log").read_text().splitlines() == [str(i) for i in range(600, 1000)]
+
+
 def test_server_cost_bench_subtracts_the_idle_servers_cpu_and_judges_the_managed_figure_only() -> None:
     from bench.server_cost import VARIANTS, cpu_per_task, summarize
 

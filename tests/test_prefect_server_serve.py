@@ -164,3 +164,56 @@ def test_the_managed_server_records_task_runs_through_the_rewrite(tmp_path: Path
         assert said.count("each batch of events and task-run states is inserted through one cached statement") == 1
     finally:
         stop_server()
+
+
+def test_prefects_line_per_dropped_event_becomes_one_line_a_minute_with_the_count() -> None:
+    """Prefect's own in-memory bus, one subscriber's queue full: 25 events dropped over 3 minutes are said in 4
+    lines (the first at once, then at most one a minute, the rest as the server stops), each with the count since
+    the last and in all."""
+    import logging
+
+    from prefect.server.utilities.messaging.memory import MemoryMessage, Topic
+
+    name, starts = next(iter(serve.DROP_LINES.items()))
+    bus = logging.getLogger(name)
+    now = [0.0]
+    quiet = serve.DroppedEvents(starts, every=60.0, clock=lambda: now[0])
+    said: list[str] = []
+    catch = logging.Handler(logging.WARNING)
+    catch.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    bus.addFilter(quiet)
+    bus.addHandler(catch)
+    try:
+        subscription = Topic("events-test").subscribe()
+        for i in range(subscription._queue.maxsize):
+            subscription._queue.put_nowait(MemoryMessage(data=b"{}", attributes={}))
+
+        async def deliver(count: int) -> None:
+            for _ in range(count):
+                await subscription.deliver(MemoryMessage(data=b"{}", attributes={}))
+
+        for seconds, count in ((0.0, 10), (30.0, 5), (61.0, 4), (185.0, 6)):
+            now[0] = seconds
+            asyncio.run(deliver(count))
+        quiet.flush(bus)
+        quiet.flush(bus)  # nothing left to say
+    finally:
+        bus.removeFilter(quiet)
+        bus.removeHandler(catch)
+    assert [line.split(" event(s)")[0] for line in said] == [f"{starts}: {n}" for n in (1, 15, 4, 5)], said
+    assert [line.split("last said, ")[1].split(" (")[0] for line in said] == [f"{n} in all" for n in (1, 16, 20, 25)]
+
+
+def test_the_dropping_lines_quieted_are_the_ones_prefect_logs() -> None:
+    """The start of each line matched is in the source of Prefect's module that logs it (a reworded line would
+    go unquieted, each event on a line of its own again)."""
+    import importlib
+    import inspect
+    import logging
+
+    for name, starts in serve.DROP_LINES.items():
+        assert starts in inspect.getsource(importlib.import_module(name)), name
+    serve.quiet_drops()
+    serve.quiet_drops()  # once per logger however often it is called
+    for name in serve.DROP_LINES:
+        assert sum(isinstance(f, serve.DroppedEvents) for f in logging.getLogger(name).filters) == 1
