@@ -217,3 +217,47 @@ def test_the_dropping_lines_quieted_are_the_ones_prefect_logs() -> None:
     serve.quiet_drops()  # once per logger however often it is called
     for name in serve.DROP_LINES:
         assert sum(isinstance(f, serve.DroppedEvents) for f in logging.getLogger(name).filters) == 1
+
+
+def test_drops_that_no_later_drop_says_are_said_by_the_timer_within_its_period() -> None:
+    """The last drops of a burst (none follows to say them) are said by `say_the_rest`'s thread."""
+    import logging
+    import re
+    import threading
+    import time
+
+    starts = serve.DROP_LINES["prefect.server.utilities.messaging.memory"]
+    quiet = serve.DroppedEvents(starts, every=0.05)
+    said: list[str] = []
+    catch = logging.Handler()
+    catch.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    out = logging.getLogger("tests.drops")
+    out.addHandler(catch)
+    out.propagate = False
+    for _ in range(4):
+        record = logging.LogRecord("bus", logging.WARNING, __file__, 1, starts + " for topic=%r", ("events",), None)
+        if quiet.filter(record):
+            out.handle(record)
+    threading.Thread(target=quiet.say_the_rest, args=(out,), daemon=True).start()
+
+    def counted() -> int:
+        return sum(int(re.search(r": (\d+) event\(s\) dropped", line)[1]) for line in said)
+
+    deadline = time.monotonic() + 10
+    while counted() < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    out.removeHandler(catch)
+    assert counted() == 4 and said[-1].split("last said, ")[1].startswith("4 in all"), said
+
+
+def test_the_docs_say_what_the_server_does_with_the_events_it_drops() -> None:
+    """docs/how-to/large-jobs.md, literally: Prefect's bound, the line a minute and its words."""
+    from pathlib import Path
+
+    from prefect.server.utilities.messaging.memory import Subscription, Topic
+
+    text = " ".join((Path(__file__).parents[1] / "docs" / "how-to" / "large-jobs.md").read_text().split())
+    assert Subscription(Topic("docs-test"))._queue.maxsize == 10_000 and "past 10,000 events waiting" in text
+    assert serve.DROPS_SAID_EVERY == 60.0 and "once a minute" in text
+    assert "event(s) dropped since this was last said, N in all" in text
+    assert "event(s) dropped since this was last said, %d in all" in serve.DroppedEvents.SAYS

@@ -34,8 +34,9 @@ logger = logging.getLogger(__name__)
 
 # A sweep reports hundreds of task runs a second. Prefect's defaults record them one message at a time
 # (about 40 ms of server CPU per task here); batches of up to 100, flushed every second, cost about half.
-# Records reach the database at most a second later; nothing is dropped. The user's settings win. (The
-# task-run recorder truncates its flush interval to whole seconds: 0.5 would make it flush in a busy loop.)
+# Records reach the database at most a second later (the event persister's only while it keeps up: serve.py).
+# The user's settings win. (The task-run recorder truncates its flush interval to whole seconds: 0.5 would make
+# it flush in a busy loop.)
 BATCHING = {
     f"PREFECT_SERVER_SERVICES_{service}_{knob}": value
     for service in ("TASK_RUN_RECORDER", "EVENT_PERSISTER")

@@ -25,6 +25,7 @@ import atexit
 import logging
 import re
 import sys
+import threading
 import time
 from typing import Any, Callable
 
@@ -70,17 +71,19 @@ class DroppedEvents(logging.Filter):
         self.starts, self.every, self.clock = starts, every, clock
         self.dropped = self.total = 0  # since the last line said; in all
         self.said: float | None = None
+        self._lock = threading.Lock()  # the server's loop counts, say_the_rest's thread says
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not str(record.msg).startswith(self.starts):
             return True
-        self.dropped += 1
-        self.total += 1
-        now = self.clock()
-        if self.said is not None and now - self.said < self.every:
-            return False
-        record.msg, record.args = self.SAYS, (self.starts, self.dropped, self.total)
-        self.dropped, self.said = 0, now
+        with self._lock:
+            self.dropped += 1
+            self.total += 1
+            now = self.clock()
+            if self.said is not None and now - self.said < self.every:
+                return False
+            record.msg, record.args = self.SAYS, (self.starts, self.dropped, self.total)
+            self.dropped, self.said = 0, now
         return True
 
     SAYS = ("%s: %d event(s) dropped since this was last said, %d in all (a subscriber of Prefect's server fell "
@@ -88,10 +91,18 @@ class DroppedEvents(logging.Filter):
             "a minute)")
 
     def flush(self, logger: logging.Logger) -> None:
-        """The drops not yet said (the server is stopping)."""
-        if self.dropped:
-            logger.warning(self.SAYS, self.starts, self.dropped, self.total)
-            self.dropped = 0
+        """The drops not yet said (a minute on, or the server is stopping)."""
+        with self._lock:
+            if not self.dropped:
+                return
+            self.said, dropped, self.dropped = self.clock(), self.dropped, 0
+        logger.warning(self.SAYS, self.starts, dropped, self.total)
+
+    def say_the_rest(self, logger: logging.Logger) -> None:
+        """Each `every` s, the drops not yet said (none may follow to say them), until the process ends."""
+        while True:
+            time.sleep(self.every)
+            self.flush(logger)
 
 
 def quiet_drops() -> None:
@@ -102,6 +113,7 @@ def quiet_drops() -> None:
             quiet = DroppedEvents(starts)
             found.addFilter(quiet)
             atexit.register(quiet.flush, logger)
+            threading.Thread(target=quiet.say_the_rest, args=(logger,), daemon=True, name="hpc-garage-drops").start()
 
 
 def install() -> None:
