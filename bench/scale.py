@@ -205,18 +205,18 @@ def server_events(home: Path) -> dict[str, int]:
     count), and the events its SQLite database holds."""
     import sqlite3
 
-    found: dict[str, int] = {}
-    for log in (home / ".hpc-garage" / "prefect").glob("*/server.log"):
-        with log.open(errors="replace") as lines:
-            for line in lines:
-                if any(d in line for d in DROPPED):
-                    said = SAID_DROPPED.search(line)
-                    found["events_dropped"] = found.get("events_dropped", 0) + (int(said[1]) if said else 1)
-    for database in (home / ".hpc-garage" / "prefect").glob("*/home/prefect.db"):
-        with contextlib.closing(sqlite3.connect(f"file:{database}?mode=ro", uri=True)) as db:
-            stored = db.execute("SELECT count(*) FROM events").fetchone()[0]
-        found["events_stored"] = found.get("events_stored", 0) + stored
-    return found
+    found: collections.Counter[str] = collections.Counter()
+    for server in servers_under(home):
+        if server.log_file.is_file():
+            with server.log_file.open(errors="replace") as lines:
+                for line in lines:
+                    if any(d in line for d in DROPPED):
+                        said = SAID_DROPPED.search(line)
+                        found["events_dropped"] += int(said[1]) if said else 1
+        if (database := server.home / "prefect.db").is_file():
+            with contextlib.closing(sqlite3.connect(f"file:{database}?mode=ro", uri=True)) as db:
+                found["events_stored"] += db.execute("SELECT count(*) FROM events").fetchone()[0]
+    return dict(found)
 
 
 def keep_logs(home: Path, name: str) -> Path:
@@ -226,10 +226,19 @@ def keep_logs(home: Path, name: str) -> Path:
     kept.mkdir(parents=True, exist_ok=True)
     for log in (home / ".hpc-garage" / "runs").glob("*.out"):
         shutil.copy(log, kept / log.name)
-    for log in (home / ".hpc-garage" / "prefect").glob("*/server.log"):
-        with log.open(errors="replace") as lines:
-            (kept / f"server-{log.parent.name}.log").write_text("".join(collections.deque(lines, maxlen=400)))
+    for server in servers_under(home):
+        if server.log_file.is_file():
+            with server.log_file.open(errors="replace") as lines:
+                tail = "".join(collections.deque(lines, maxlen=400))
+            (kept / f"server-{server.path.name}.log").write_text(tail)
     return kept
+
+
+def servers_under(home: Path) -> list[Any]:
+    """The managed servers' directories (prefect/server/state.ServerDir: their paths' owner) under a row's HOME."""
+    from hpc_garage.prefect.server.state import ServerDir
+
+    return [ServerDir(path) for path in sorted((home / ".hpc-garage" / "prefect").glob("*")) if path.is_dir()]
 
 
 def per_thousand(ends: list[float], n: int) -> dict[str, float | None]:
